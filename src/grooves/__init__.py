@@ -1,0 +1,46 @@
+"""grooves: reinforcement-learning fine-tuning (GRPO family) of small LLMs on LoRA adapters.
+
+The public API is this short flat list. Names are imported on first use, so
+``import grooves`` (and ``grooves --help``) stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Policy": "grooves.policy",
+    "LoRA": "grooves.policy",
+    "Sampling": "grooves.policy",
+    "Trajectory": "grooves.types",
+    "Group": "grooves.types",
+    "Reward": "grooves.rewards",
+    "Component": "grooves.rewards",
+    "load_tasks": "grooves.tasks",
+    "train": "grooves.train",
+    "Trainer": "grooves.train",
+    "RunConfig": "grooves.train",
+    "load_config": "grooves.train",
+    "run_config": "grooves.train",
+}
+
+__all__ = ["algorithms", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from grooves import algorithms
+    from grooves.policy import LoRA, Policy, Sampling
+    from grooves.rewards import Component, Reward
+    from grooves.tasks import load_tasks
+    from grooves.train import RunConfig, Trainer, load_config, run_config, train
+    from grooves.types import Group, Trajectory
+
+
+def __getattr__(name: str):
+    if name == "algorithms":
+        return importlib.import_module("grooves.algorithms")
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'grooves' has no attribute {name!r}")

@@ -1,0 +1,100 @@
+"""Algorithm settings and the presets ``grpo``, ``dr_grpo``, ``dapo``, ``gspo``, ``cispo``,
+``rloo`` and ``ppo``. Each preset is a function that accepts overrides for any field:
+``dapo(eps_high=0.3)``. ``docs/algorithms.md`` gives the formulas and where each default
+comes from.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Algorithm(BaseModel):
+    """How advantages and the policy loss are computed for one training step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("custom", description="Preset this configuration started from (informational).")
+    advantage: Literal["group_mean", "group_mean_std", "leave_one_out", "batch_std", "none"] = Field(
+        "group_mean_std", description="Advantage estimator (see grooves.algorithms.advantages).")
+    adv_eps: float = Field(1e-4, ge=0, description="Epsilon added to the std in std-scaled advantages.")
+    loss: Literal["ppo_clip", "gspo", "cispo"] = Field("ppo_clip", description="Policy loss.")
+    eps_low: float = Field(0.2, ge=0, description="Lower clip: the ratio is clipped at 1 - eps_low.")
+    eps_high: float = Field(0.2, ge=0, description="Upper clip: the ratio is clipped at 1 + eps_high.")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "constant"] = Field(
+        "seq_mean_token_mean", description="How per-token losses become one number.")
+    beta: float = Field(0.0, ge=0, description="Coefficient of the k3 KL penalty against the base model.")
+    num_iterations: int = Field(1, ge=1, description="Optimisation passes over each batch (mu in GRPO).")
+    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal and "
+                                   "sample more tasks to fill the batch (DAPO).")
+    max_sampling_rounds: int = Field(3, ge=1, description="Sampling rounds per step when dynamic_sampling "
+                                     "is on; the step trains on what it has after the last round.")
+    overlong_buffer: float = Field(0.0, ge=0, lt=1, description="Soft overlong punishment: the last "
+                                   "fraction of max_completion_length where the reward is lowered (0 = off).")
+    overlong_penalty: float = Field(1.0, ge=0, description="Largest overlong punishment (at the limit).")
+    mask_truncated: bool = Field(False, description="Exclude truncated completions from the loss (DAPO "
+                                 "overlong filtering); they still count in the group's advantage baseline.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Algorithm:
+        if self.eps_low > 1:
+            raise ValueError("eps_low must be <= 1 (the clipped ratio cannot go below 0)")
+        return self
+
+
+def _preset(name: str, base: dict, overrides: dict) -> Algorithm:
+    return Algorithm(**{"name": name, **base, **overrides})
+
+
+def grpo(**overrides) -> Algorithm:
+    """GRPO (DeepSeekMath): group mean/std advantages, token PPO clip 0.2, sequence-then-token mean."""
+    return _preset("grpo", {"advantage": "group_mean_std", "loss": "ppo_clip",
+                            "aggregation": "seq_mean_token_mean", "eps_low": 0.2, "eps_high": 0.2}, overrides)
+
+
+def dr_grpo(**overrides) -> Algorithm:
+    """Dr. GRPO: no std scaling, no length normalisation (constant normaliser)."""
+    return _preset("dr_grpo", {"advantage": "group_mean", "loss": "ppo_clip", "aggregation": "constant",
+                               "eps_low": 0.2, "eps_high": 0.2}, overrides)
+
+
+def dapo(**overrides) -> Algorithm:
+    """DAPO: clip-higher (0.2/0.28), token-mean loss, dynamic sampling, soft overlong punishment."""
+    return _preset("dapo", {"advantage": "group_mean_std", "loss": "ppo_clip", "aggregation": "token_mean",
+                            "eps_low": 0.2, "eps_high": 0.28, "dynamic_sampling": True,
+                            "overlong_buffer": 0.2}, overrides)
+
+
+def gspo(**overrides) -> Algorithm:
+    """GSPO: sequence-level length-normalised ratio, clip 3e-4 / 4e-4."""
+    return _preset("gspo", {"advantage": "group_mean_std", "loss": "gspo",
+                            "aggregation": "seq_mean_token_mean", "eps_low": 3e-4, "eps_high": 4e-4}, overrides)
+
+
+def cispo(**overrides) -> Algorithm:
+    """CISPO: clipped, stop-gradient importance weight times logprob; no lower bound on the weight."""
+    return _preset("cispo", {"advantage": "group_mean_std", "loss": "cispo", "aggregation": "token_mean",
+                             "eps_low": 1.0, "eps_high": 4.0}, overrides)
+
+
+def rloo(**overrides) -> Algorithm:
+    """RLOO: leave-one-out baseline, no std scaling."""
+    return _preset("rloo", {"advantage": "leave_one_out", "loss": "ppo_clip",
+                            "aggregation": "seq_mean_token_mean", "eps_low": 0.2, "eps_high": 0.2}, overrides)
+
+
+def ppo(**overrides) -> Algorithm:
+    """PPO-clip with a group-mean baseline instead of a critic (no value model, no GAE), 2 epochs."""
+    return _preset("ppo", {"advantage": "group_mean", "loss": "ppo_clip", "aggregation": "token_mean",
+                           "eps_low": 0.2, "eps_high": 0.2, "num_iterations": 2}, overrides)
+
+
+PRESETS = {"grpo": grpo, "dr_grpo": dr_grpo, "dapo": dapo, "gspo": gspo, "cispo": cispo, "rloo": rloo, "ppo": ppo}
+
+
+def preset(name: str, **overrides) -> Algorithm:
+    if name not in PRESETS:
+        raise ValueError(f"unknown algorithm preset {name!r}; available: {', '.join(PRESETS)}")
+    return PRESETS[name](**overrides)

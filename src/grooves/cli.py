@@ -1,0 +1,157 @@
+"""The ``grooves`` command: thin wrappers over the library.
+
+Bad input (an invalid config, a missing file, an unknown model or checkpoint) prints one
+clear message and exits with code 2. Heavy imports happen inside the commands so that
+``grooves --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="grooves",
+    help="RL fine-tuning (GRPO family) of small LLMs on LoRA adapters. Runs live under a runs root "
+    "(--runs, $GROOVES_RUNS, default ./runs); a checkpoint is named RUN@STEP or RUN@latest.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+RunsOption = Annotated[Path | None, typer.Option("--runs", envvar="GROOVES_RUNS",
+                                                 help="Runs root folder (default: ./runs).")]
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    err.print(f"[bold red]error[/]: {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from grooves.policy.checkpoints import CheckpointError
+    from grooves.policy.models import ModelSpecError
+    from grooves.tasks.sources import TaskSourceError
+    from grooves.train.config import ConfigError
+    from grooves.train.loop import RunExistsError
+
+    return (ConfigError, CheckpointError, ModelSpecError, TaskSourceError, RunExistsError,
+            FileNotFoundError, ModuleNotFoundError)
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Argument(help="Run configuration (TOML); see docs/config.md.")],
+    steps: Annotated[int | None, typer.Option(help="Override the number of training steps.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's last complete "
+                                         "checkpoint.")] = False,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Run folder (default: RUNS/<name>).")] = None,
+    runs: RunsOption = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+) -> None:
+    """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder."""
+    from grooves.train.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config)
+        if steps is not None:
+            cfg.steps = steps
+    except ConfigError as error:
+        raise _fail(f"invalid config {config}:\n{error}") from None
+    except ValueError as error:  # a bad --steps value fails validation on assignment
+        raise _fail(f"--steps: {error}") from None
+    from grooves.train.api import run_config
+
+    try:
+        run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet)
+    except _user_errors() as error:
+        raise _fail(str(error)) from None
+    last = run.metrics[-1] if run.metrics else {}
+    out.print(f"[bold]{run.name}[/]: step {run.step}, reward {last.get('reward/total', float('nan')):.3f}; "
+              f"checkpoint {run.name}@latest in {run.dir}")
+
+
+@app.command()
+def sample(
+    model: Annotated[str, typer.Argument(help="Model spec (bundled:smollm2-135m-instruct, tiny, a folder, a hub "
+                                         "id) or a checkpoint RUN@STEP / RUN@latest.")],
+    prompt: Annotated[str, typer.Argument(help="User message.")],
+    n: Annotated[int, typer.Option("-n", min=1, help="Completions to sample.")] = 1,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
+    max_tokens: Annotated[int, typer.Option(min=1, help="New tokens per completion.")] = 128,
+    system: Annotated[str | None, typer.Option(help="System message.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    runs: RunsOption = None,
+) -> None:
+    """Generate completions of PROMPT with a base model or a checkpoint."""
+    from grooves.policy import Policy, Sampling
+
+    try:
+        policy = Policy.load(model, runs=runs)
+        sampling = Sampling(temperature=temperature, top_p=top_p or 1.0, max_new_tokens=max_tokens, seed=seed)
+    except (*_user_errors(), ValueError) as error:
+        raise _fail(str(error)) from None
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    for i, completion in enumerate(policy.sampler().generate([messages], n=n, sampling=sampling)[0]):
+        if n > 1:
+            out.print(f"[dim]--- {i + 1} ({completion.finish_reason}, {len(completion.token_ids)} tokens)[/]")
+        out.print(completion.text, highlight=False, markup=False)
+
+
+@app.command("runs")
+def list_runs(runs: RunsOption = None) -> None:
+    """List runs with their last step, newest checkpoint and rewards."""
+    from rich.table import Table
+
+    from grooves.policy.checkpoints import list_checkpoints, runs_root
+    from grooves.train.store import read_metrics
+
+    root = runs_root(runs)
+    folders = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    folders = [p for p in folders if (p / "metrics.jsonl").exists()]
+    if not folders:
+        out.print(f"no runs under {root}")
+        return
+    table = Table("run", "last step", "checkpoint", "reward", "val reward", title=f"runs in {root}")
+    for folder in folders:
+        rows = read_metrics(folder / "metrics.jsonl")
+        last_train = next((r for r in reversed(rows) if r.get("reward/total") is not None), {})
+        last_val = next((r for r in reversed(rows) if r.get("val/reward/total") is not None), {})
+        checkpoints = list_checkpoints(folder)
+        table.add_row(folder.name, str(rows[-1]["step"] if rows else "-"),
+                      f"{folder.name}@{checkpoints[-1][0]}" if checkpoints else "-",
+                      _num(last_train.get("reward/total")), _num(last_val.get("val/reward/total")))
+    out.print(table)
+
+
+@app.command()
+def demo(
+    steps: Annotated[int | None, typer.Option(help="Training steps (default: the demo config's).")] = None,
+    runs: RunsOption = None,
+) -> None:
+    """RL-train the bundled model to write titles; print held-out reward before and after."""
+    from grooves.demo import print_report, run_demo
+
+    try:
+        result = run_demo(steps=steps, runs=runs, console=err)
+    except _user_errors() as error:
+        raise _fail(str(error)) from None
+    print_report(result, out)
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Per-token log-probabilities of completion tokens, for training.
+
+Two paths give the same numbers (a test holds them to 1e-5, gradients included):
+
+- ``completion_logprobs``: sequences are ``prompt_ids + completion_ids``, right-padded.
+  With causal attention the padding after a sequence never influences its real
+  positions, so no attention mask is needed.
+- ``shared_prompt_logprobs``: the G completions of a group share one prompt, so the prompt
+  runs once; its KV cache is repeated for the G rows and the gradient flows back through
+  it. With ~150 prompt and ~30 completion tokens this is ~3.5x fewer tokens.
+
+Either way the output head runs only on completion positions: prompt positions never get
+full-vocabulary logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grooves.types import Trajectory
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # (B, L) prompt + completion, right-padded
+    starts: torch.Tensor  # (B,) index of the first completion token in input_ids
+    targets: torch.Tensor  # (B, T) completion token ids, right-padded
+    mask: torch.Tensor  # (B, T) 1.0 on model-generated completion tokens
+    sampler_logprobs: torch.Tensor  # (B, T) the sampler's logprobs (0 where mask is 0)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> TokenBatch:
+        return TokenBatch(*(t[rows] for t in (self.input_ids, self.starts, self.targets,
+                                                self.mask, self.sampler_logprobs)))
+
+    def chunks(self, size: int) -> list[torch.Tensor]:
+        """Row indices in chunks of at most ``size`` rows that share one prompt."""
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        for row in range(len(self)):
+            prompt = tuple(self.input_ids[row, : int(self.starts[row])].tolist())
+            by_prompt.setdefault(prompt, []).append(row)
+        return [torch.tensor(rows[i : i + size], device=self.input_ids.device)
+                for rows in by_prompt.values() for i in range(0, len(rows), size)]
+
+
+def build_token_batch(trajectories: list[Trajectory], device: torch.device | str = "cpu") -> TokenBatch:
+    batch = len(trajectories)
+    seq_len = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
+    comp_len = max(max(len(t.completion_ids) for t in trajectories), 1)
+    input_ids = torch.zeros(batch, seq_len, dtype=torch.long)
+    targets = torch.zeros(batch, comp_len, dtype=torch.long)
+    mask = torch.zeros(batch, comp_len)
+    sampler_logprobs = torch.zeros(batch, comp_len)
+    starts = torch.zeros(batch, dtype=torch.long)
+    for row, t in enumerate(trajectories):
+        p, c = len(t.prompt_ids), len(t.completion_ids)
+        input_ids[row, : p + c] = torch.tensor(t.prompt_ids + t.completion_ids)
+        starts[row] = p
+        targets[row, :c] = torch.tensor(t.completion_ids, dtype=torch.long)
+        mask[row, :c] = torch.tensor(t.completion_mask, dtype=torch.float)
+        sampler_logprobs[row, :c] = torch.tensor(t.logprobs, dtype=torch.float)
+    return TokenBatch(input_ids.to(device), starts.to(device), targets.to(device),
+                      mask.to(device), sampler_logprobs.to(device))
+
+
+def completion_logprobs(
+    causal_lm, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities ``(B, T)`` of ``batch.targets`` at ``temperature`` (and entropies).
+
+    Position ``starts + t - 1`` predicts completion token ``t``. Entropy is computed
+    without gradient (a diagnostic, not part of the loss).
+    """
+    hidden = causal_lm.get_decoder()(input_ids=batch.input_ids, use_cache=False).last_hidden_state  # (B, L, H)
+    width = batch.targets.shape[1]
+    offsets = torch.arange(width, device=hidden.device)
+    index = (batch.starts[:, None] - 1 + offsets).clamp(max=hidden.shape[1] - 1)  # (B, T)
+    picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
+    return _head_logprobs(causal_lm, picked, batch, temperature, with_entropy)
+
+
+def shared_prompt_logprobs(
+    causal_lm, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``completion_logprobs`` for rows that all share one prompt, running the prompt once."""
+    from transformers import DynamicCache
+
+    decoder = causal_lm.get_decoder()
+    start = int(batch.starts[0])
+    prompt = batch.input_ids[:1, :start]  # (1, P)
+    cache = DynamicCache(config=causal_lm.config)
+    prompt_hidden = decoder(input_ids=prompt, cache=cache, use_cache=True).last_hidden_state  # (1, P, H)
+    rows, width = batch.targets.shape
+    cache.batch_repeat_interleave(rows)  # differentiable: gradients reach the prompt's K/V
+    positions = torch.arange(start, start + width, device=prompt.device).expand(rows, -1)  # (G, T)
+    hidden = decoder(input_ids=batch.targets, position_ids=positions, cache=cache,
+                     use_cache=True).last_hidden_state  # (G, T, H)
+    # the last prompt position predicts completion token 0; completion position t predicts t + 1
+    first = prompt_hidden[:, -1:].expand(rows, 1, -1)  # (G, 1, H)
+    picked = torch.cat([first, hidden[:, :-1]], dim=1)  # (G, T, H)
+    return _head_logprobs(causal_lm, picked, batch, temperature, with_entropy)
+
+
+def _head_logprobs(causal_lm, picked, batch, temperature, with_entropy):
+    logits = causal_lm.get_output_embeddings()(picked).float()  # (B, T, V)
+    if temperature > 0:
+        logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch.targets[..., None]).squeeze(-1)  # (B, T)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
+    return logp * (batch.mask > 0), entropy

@@ -1,0 +1,129 @@
+"""The policy: a causal LM, its tokenizer and (for training) a LoRA adapter on top.
+
+The reference model for KL is the same weights with the adapter disabled, so no second
+copy of the model is held in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from grooves.policy.checkpoints import checkpoint_base_spec, is_checkpoint_name, resolve_checkpoint
+from grooves.policy.lora import LoRA
+from grooves.policy.models import BUNDLED_DEFAULT, load_model
+from grooves.types import Message
+
+
+class Policy:
+    """A model to sample from and (when it has an adapter) to train."""
+
+    def __init__(self, model, tokenizer, base_spec: str, device: str | torch.device = "cpu"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.base_spec = base_spec
+        self.device = torch.device(device)
+        self.stop_token_ids = _stop_token_ids(model, tokenizer)
+
+    @classmethod
+    def load(
+        cls,
+        spec: str = BUNDLED_DEFAULT,
+        *,
+        lora: LoRA | None = None,
+        adapter: str | Path | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        seed: int = 0,
+        runs: str | Path | None = None,
+    ) -> Policy:
+        """Load a base model (and adapter) by spec.
+
+        ``spec`` is a model spec (see ``grooves.policy.models``) or a checkpoint name
+        ``RUN@STEP`` / ``RUN@latest``, which brings its base model and adapter. ``lora``
+        adds a fresh trainable adapter (initialised from ``seed``); ``adapter`` continues
+        from an existing PEFT adapter folder instead (its own LoRA settings apply).
+        """
+        if is_checkpoint_name(spec):
+            checkpoint = resolve_checkpoint(spec, runs)
+            adapter = adapter or checkpoint / "adapter"
+            spec = checkpoint_base_spec(checkpoint)
+        model, tokenizer = load_model(spec, dtype=dtype, seed=seed)
+        model.to(device)
+        if adapter is not None:
+            from peft import PeftModel
+
+            if not (Path(adapter) / "adapter_config.json").exists():
+                raise FileNotFoundError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")
+            model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+        elif lora is not None:
+            from peft import get_peft_model
+
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = get_peft_model(model, lora.to_peft())
+        model.eval()
+        return cls(model, tokenizer, spec, device)
+
+    # --- tokens ------------------------------------------------------------------
+
+    def chat_ids(self, messages: list[Message]) -> list[int]:
+        """Token ids of a chat prompt, ending with the assistant turn's header."""
+        return list(self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # --- the adapter -------------------------------------------------------------
+
+    @property
+    def has_adapter(self) -> bool:
+        from peft import PeftModel
+
+        return isinstance(self.model, PeftModel)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def reference(self):
+        """Context in which the model is the base model (adapter disabled)."""
+        return self.model.disable_adapter() if self.has_adapter else contextlib.nullcontext()
+
+    def save_adapter(self, folder: str | Path) -> None:
+        """Write the adapter as a plain PEFT folder naming the grooves base spec."""
+        if not self.has_adapter:
+            raise ValueError("this policy has no adapter to save; load it with lora=LoRA(...)")
+        folder = Path(folder)
+        self.model.save_pretrained(str(folder))
+        config_path = folder / "adapter_config.json"
+        config = json.loads(config_path.read_text())
+        config["base_model_name_or_path"] = self.base_spec
+        config_path.write_text(json.dumps(config, indent=2))
+
+    # --- pieces the fast paths need ----------------------------------------------
+
+    @property
+    def causal_lm(self):
+        """The underlying transformers model (LoRA layers, if any, are injected in place)."""
+        return self.model.get_base_model() if self.has_adapter else self.model
+
+    def sampler(self):
+        from grooves.policy.sampler import Sampler
+
+        return Sampler(self)
+
+
+def _stop_token_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+    for value in (eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(value)
+    return ids

@@ -1,0 +1,118 @@
+"""Entry points: ``train(policy, tasks, reward, ...)`` from Python, ``run_config(config)`` for the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grooves.algorithms.presets import Algorithm, preset
+from grooves.policy.checkpoints import runs_root
+from grooves.policy.policy import Policy
+from grooves.rewards.compose import Component, Reward, as_reward, import_object
+from grooves.tasks.sources import load_tasks, split_tasks
+from grooves.train.config import RewardConfig, RunConfig, TasksConfig, parse_config
+from grooves.train.loop import Run, TrainingRun
+from grooves.types import Task
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def build_reward(config: RewardConfig) -> Reward:
+    components = []
+    if config.builtin:
+        from grooves.tasks.sources import BUILTIN
+
+        if config.builtin not in BUILTIN:
+            raise ValueError(f"reward.builtin: unknown {config.builtin!r}; available: {', '.join(BUILTIN)}")
+        components.extend(import_object(f"{BUILTIN[config.builtin]}:reward")().components)
+    for item in config.components:
+        fn = import_object(item.function)
+        components.append(Component(item.name or fn.__name__, fn, item.weight, item.required))
+    return Reward(components)
+
+
+def task_splits(source: Any, heldout: Any, fraction: float, seed: int) -> tuple[list[Task], list[Task]]:
+    """Train and held-out tasks: a built-in set's own split, a given held-out source, or a hash split."""
+    if isinstance(source, (str, Path)) and str(source).startswith("builtin:") and heldout is None:
+        return load_tasks(source, "train"), load_tasks(source, "heldout")
+    tasks = load_tasks(source, "train" if str(source).startswith("builtin:") else None)
+    if heldout is not None:
+        return tasks, load_tasks(heldout)
+    return split_tasks(tasks, fraction, seed)
+
+
+def load_policy(config: RunConfig, runs: str | Path | None = None) -> Policy:
+    policy = Policy.load(config.model.spec, lora=config.lora, adapter=config.model.adapter,
+                         device=resolve_device(config.model.device), dtype=config.model.dtype,
+                         seed=config.seed, runs=runs)
+    if config.model.gradient_checkpointing:
+        policy.causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy
+
+
+def run_config(config: RunConfig, *, runs: str | Path | None = None, out: str | Path | None = None,
+               resume: bool = False, progress: bool = True) -> Run:
+    """Run (or resume) the training described by a config, as ``grooves train`` does."""
+    reward = build_reward(config.reward)
+    t = config.tasks
+    train_tasks, heldout = task_splits(t.source, t.heldout, t.heldout_fraction, config.seed)
+    policy = load_policy(config, runs)
+    run_dir = Path(out) if out else runs_root(runs) / config.name
+    return TrainingRun(config, policy, reward, train_tasks, heldout, run_dir, resume=resume,
+                       progress=progress).run()
+
+
+def train(
+    policy: Policy,
+    tasks: str | Path | list[Task] | Any,
+    reward: Reward | Any,
+    algorithm: Algorithm | str | None = None,
+    *,
+    steps: int = 30,
+    group_size: int = 8,
+    tasks_per_step: int = 1,
+    heldout: str | Path | list[Task] | None = None,
+    name: str | None = None,
+    runs: str | Path | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    config: RunConfig | dict | None = None,
+) -> Run:
+    """RL-train ``policy`` (which needs a LoRA adapter) on ``tasks`` scored by ``reward``.
+
+    ``tasks``: ``"builtin:titles"``, a .jsonl/.csv path, a list of dicts or a ``datasets``
+    object. ``reward``: a function, a list of functions, ``{name: fn}`` or a ``Reward``.
+    ``algorithm``: a preset name or ``grooves.algorithms.<preset>(...)``. Any other setting
+    goes in ``config`` (a ``RunConfig`` or a dict shaped like the TOML file).
+    """
+    base = config if isinstance(config, RunConfig) else parse_config(config or {})
+    reward = as_reward(reward)
+    algorithm = preset(algorithm) if isinstance(algorithm, str) else (algorithm or base.algorithm)
+    updates = {
+        "name": name or base.name, "steps": steps, "algorithm": algorithm,
+        "model": base.model.model_copy(update={"spec": policy.base_spec, "device": str(policy.device)}),
+        "train": base.train.model_copy(update={"group_size": group_size, "tasks_per_step": tasks_per_step}),
+        "tasks": TasksConfig(**{**base.tasks.model_dump(), "source": _describe(tasks),
+                                "heldout": None if heldout is None else _describe(heldout)}),
+        "reward": RewardConfig(components=[{"function": _qualname(c.fn), "name": c.name, "weight": c.weight,
+                                            "required": c.required} for c in reward.components]),
+    }
+    config = RunConfig.model_validate({**base.model_dump(), **{k: v for k, v in updates.items()}})
+    t = config.tasks
+    train_tasks, heldout_tasks = task_splits(tasks, heldout, t.heldout_fraction, config.seed)
+    return TrainingRun(config, policy, reward, train_tasks, heldout_tasks, runs_root(runs) / config.name,
+                       resume=resume, progress=progress).run()
+
+
+def _describe(source: Any) -> str:
+    return str(source) if isinstance(source, (str, Path)) else f"<{type(source).__name__} from Python>"
+
+
+def _qualname(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"

@@ -1,0 +1,238 @@
+"""The run configuration: one pydantic model, read from TOML, every field described.
+
+Unknown keys are rejected with their path (``train.lerning_rate: Extra inputs are not
+permitted``); ``grooves train`` prints such errors and exits with code 2. The resolved
+configuration is written to each run folder as ``config.toml``. ``docs/config.md`` is
+generated from these descriptions.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from types import UnionType
+from typing import Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticUndefined
+
+from grooves.algorithms.presets import PRESETS, Algorithm
+from grooves.policy.lora import LoRA
+from grooves.policy.models import BUNDLED_DEFAULT
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    spec: str = Field(BUNDLED_DEFAULT, description="Base model: 'bundled:smollm2-135m-instruct', "
+                      "'tiny', a local Hugging Face folder, a hub id, or a checkpoint RUN@STEP.")
+    adapter: str | None = Field(None, description="Start from this PEFT adapter folder instead of a fresh "
+                                "LoRA (its own LoRA settings apply).")
+    device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and compute dtype. Keep float32 on CPU (bf16 matmul is very slow there).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+
+
+class TasksConfig(_Section):
+    source: str = Field("builtin:titles", description="'builtin:titles', or a .jsonl / .csv file of tasks.")
+    heldout: str | None = Field(None, description="Held-out tasks: a file, or None to split them off "
+                                "`source` (built-in sets bring their own split).")
+    heldout_fraction: float = Field(0.2, gt=0, lt=1, description="Share of `source` held out when "
+                                    "`heldout` is not given (split by a seeded hash of each task id).")
+    prompt_template: str | None = Field(None, description="Python format string over the task's columns "
+                                        "that builds the user message, e.g. 'Summarise: {text}'. Without "
+                                        "it each task needs a 'prompt' column.")
+    system: str | None = Field(None, description="System message put before each prompt.")
+
+
+class RewardComponentConfig(_Section):
+    function: str = Field(description="'module:function' or 'path/to/file.py:function'.")
+    name: str | None = Field(None, description="Name in metrics (reward/<name>); default: the function name.")
+    weight: float = Field(1.0, description="Weight in the total; 0 = logged only.")
+    required: bool = Field(True, description="If it fails, leave the trajectory out of the advantage.")
+
+
+class RewardConfig(_Section):
+    builtin: str | None = Field(None, description="Use a built-in task's reward, e.g. 'titles'.")
+    components: list[RewardComponentConfig] = Field(default_factory=list, description="Verifier functions.")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardConfig:
+        if not self.builtin and not self.components:
+            raise ValueError("give a built-in reward (builtin = 'titles') or at least one [[reward.components]]")
+        return self
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature for training rollouts (> 0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_prompt_length: int = Field(1024, ge=1, description="Tasks whose prompt is longer (tokens) are "
+                                   "skipped and counted (train/prompts_skipped).")
+    max_completion_length: int = Field(64, ge=1, description="New tokens per completion.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings (the EOS token always stops).")
+    val_temperature: float = Field(0.0, ge=0, description="Temperature for validation (0 = greedy).")
+
+
+class OptimConfig(_Section):
+    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="Decay after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Clip the global gradient norm to this.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward; gradients "
+                                  "accumulate over micro-batches into one optimizer step.")
+
+
+class TrainConfig(_Section):
+    group_size: int = Field(8, ge=2, description="Completions sampled per task (G).")
+    tasks_per_step: int = Field(1, ge=1, description="Tasks (groups) per training step.")
+    use_sampler_logprobs: bool = Field(False, description="Use the sampler's logprobs as the old policy "
+                                       "(for rollouts made elsewhere); otherwise they are recomputed.")
+    share_prompt: bool = Field(True, description="Run each group's shared prompt once in the training "
+                               "forward (same numbers as the plain path, fewer tokens).")
+
+
+class LogConfig(_Section):
+    save_every: int = Field(10, ge=1, description="Checkpoint every N steps (and at the end).")
+    val_every: int = Field(10, ge=1, description="Validate every N steps (and at step 0 and the end).")
+    val_size: int = Field(64, ge=0, description="Held-out tasks per validation (0 = no validation).")
+    tensorboard: bool = Field(True, description="Write TensorBoard events to <run>/tensorboard.")
+    wandb_project: str | None = Field(None, description="Also log to this W&B project (needs grooves[wandb]).")
+    keep_checkpoints: int = Field(0, ge=0, description="Keep only the newest N checkpoints (0 = keep all).")
+
+
+class RunConfig(_Section):
+    """Everything one training run needs; `grooves train CONFIG.toml` reads this."""
+
+    name: str = Field("run", description="Run folder name under the runs root.")
+    seed: int = Field(0, description="Seeds LoRA init, task order and sampling.")
+    steps: int = Field(30, ge=1, description="Training steps.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoRA = Field(default_factory=LoRA)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    reward: RewardConfig = Field(default_factory=lambda: RewardConfig(builtin="titles"))
+    algorithm: Algorithm = Field(default_factory=lambda: PRESETS["grpo"]())
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if not value or "/" in value or "\\" in value or "@" in value or value in {".", ".."}:
+            raise ValueError("must be a plain folder name without '/', '\\' or '@'")
+        return value
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _preset(cls, value):
+        """``[algorithm] preset = "dapo"`` starts from a preset; other keys override it."""
+        if isinstance(value, dict) and "preset" in value:
+            value = dict(value)
+            name = value.pop("preset")
+            if name not in PRESETS:
+                raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+            return PRESETS[name](**value)
+        return value
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; ``str()`` lists each bad field's path and what is allowed."""
+
+
+def format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        lines.append(f"{path}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML ({error})") from None
+    return parse_config(data)
+
+
+def dump_config(config: RunConfig) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+
+
+def config_reference() -> str:
+    """Markdown reference of every config field (``docs/config.md`` is this text)."""
+    lines = ["# Config reference", "",
+             "`grooves train CONFIG.toml` reads a TOML file with these sections; every key is optional.",
+             "Unknown keys are errors. `[algorithm] preset = \"dapo\"` starts from a preset (see",
+             "docs/algorithms.md) and the other keys of the section override it. Generated from the",
+             "config models by `python scripts/gen_config_docs.py`.", ""]
+    base = RunConfig()
+    sections = [("(top level)", RunConfig, base)] + [
+        (f"[{name}]", field.annotation, getattr(base, name)) for name, field in RunConfig.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)]
+    sections.append(("[[reward.components]] (one table per component)", RewardComponentConfig, None))
+    for title, model, defaults in sections:
+        lines += [f"## {title}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                continue
+            kind = _type_name(annotation)
+            default = getattr(defaults, name) if defaults is not None else field.get_default(call_default_factory=True)
+            default = "required" if default is PydanticUndefined else f"`{default!r}`"
+            description = field.description or ("See the sections below." if name == "components" else "")
+            lines.append(f"| `{name}` | {kind} | {default} | {description} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML ({error})") from None
+    return parse_config(data)
+
+
+def dump_config(config: RunConfig) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+
+
+def _type_name(annotation) -> str:
+    if get_origin(annotation) is Literal:
+        return "one of " + ", ".join(f"`{value!r}`" for value in get_args(annotation))
+    if get_origin(annotation) in (Union, UnionType):
+        return " or ".join(_type_name(arg) for arg in get_args(annotation))
+    if get_origin(annotation) is not None:
+        return str(annotation).replace("typing.", "")
+    return getattr(annotation, "__name__", str(annotation))

@@ -1,0 +1,264 @@
+"""The training loop of DESIGN.md: tasks -> G samples each -> rewards -> update -> log -> checkpoint.
+
+``TrainingRun`` owns one run folder. Each step's metrics and trajectories are recorded
+before its checkpoint is written, and a resume from the checkpoint at step k first drops
+records made after k, so a run killed at any moment resumes to the same result as a run
+that never stopped (same seed and config; on CPU the adapters match within 1e-5).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from grooves.algorithms import has_signal
+from grooves.policy.policy import Policy
+from grooves.policy.sampler import Sampling
+from grooves.rewards.compose import Reward, RewardReport
+from grooves.tasks.sources import TaskSourceError, TaskStream, render_prompt
+from grooves.train import checkpoint as ckpt
+from grooves.train.config import RunConfig, dump_config
+from grooves.train.rollout import Evaluation, completion_stats, evaluate, reward_metrics, rollout_groups
+from grooves.train.sinks import MetricSinks
+from grooves.train.store import RunStore
+from grooves.train.trainer import Trainer
+from grooves.types import Group, Message, Task
+
+
+class RunExistsError(RuntimeError):
+    """The run folder already holds a run and resume was not asked for."""
+
+
+@dataclass
+class Run:
+    """What a finished (or stopped) run leaves behind."""
+
+    name: str
+    dir: Path
+    step: int
+    metrics: list[dict] = field(default_factory=list)
+    evaluations: dict[int, Evaluation] = field(default_factory=dict)
+
+    @property
+    def checkpoint(self) -> str:
+        return f"{self.name}@latest"
+
+
+class TrainingRun:
+    def __init__(self, config: RunConfig, policy: Policy, reward: Reward, train_tasks: list[Task],
+                 heldout_tasks: list[Task], run_dir: Path, *, resume: bool = False, progress: bool = True,
+                 console: Console | None = None):
+        self.config = config
+        self.policy = policy
+        self.reward = reward
+        self.heldout = heldout_tasks[: config.log.val_size]
+        self.run_dir = Path(run_dir)
+        self.resume = resume
+        self.show_progress = progress
+        self.console = console or Console(stderr=True)
+        s = config.sampling
+        self.sampling = Sampling(temperature=s.temperature, top_p=s.top_p,
+                                 max_new_tokens=s.max_completion_length, stop=tuple(s.stop))
+        self.val_sampling = Sampling(temperature=s.val_temperature, top_p=s.top_p,
+                                     max_new_tokens=s.max_completion_length, stop=tuple(s.stop), seed=config.seed)
+        self.stream = TaskStream(train_tasks, seed=config.seed)
+        self.generator = torch.Generator(device=policy.device).manual_seed(config.seed)
+        self.trainer = Trainer(policy, config.algorithm, config.optim, temperature=s.temperature,
+                               max_completion_length=s.max_completion_length, total_steps=config.steps,
+                               use_sampler_logprobs=config.train.use_sampler_logprobs,
+                               share_prompt=config.train.share_prompt)
+        self._prompt_lengths: dict[str, int] = {}
+        self.evaluations: dict[int, Evaluation] = {}
+
+    # --- the loop --------------------------------------------------------------------
+
+    def run(self) -> Run:
+        start = self._open()
+        step = start
+        try:
+            if start == 0 and self.heldout:
+                self._log(0, self._validate(0))
+            with self._progress() as progress, GracefulStop(self.console) as stop:
+                bar = progress.add_task("train", total=self.config.steps, completed=start, reward="-")
+                for step in range(start + 1, self.config.steps + 1):
+                    metrics = self._step(step)
+                    self._log(step, metrics)
+                    if step % self.config.log.save_every == 0 or step == self.config.steps or stop.requested:
+                        self._save(step)
+                    progress.update(bar, completed=step, reward=_fmt(metrics.get("reward/total")))
+                    if stop.requested:
+                        self.console.print(f"[yellow]stopped[/] after step {step} (checkpoint saved); "
+                                           f"continue with: grooves train CONFIG --resume")
+                        break
+        finally:
+            self.sinks.close()
+            self.store.close()
+        return Run(self.run_dir.name, self.run_dir, step, self.store.read_metrics(), self.evaluations)
+
+    def _step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        kept, sampled, report, rounds = self._collect(step)
+        sample_time = time.perf_counter() - t0
+        metrics = reward_metrics(sampled, self.reward, report)
+        metrics["completion_len"], metrics["train/truncated_ratio"] = completion_stats(sampled)
+        metrics["frac_reward_zero_std"] = sum(not has_signal(_rewards(g)) for g in sampled) / len(sampled)
+        metrics["train/sampling_rounds"] = float(rounds)
+        metrics["train/groups_dropped"] = float(len(sampled) - len(kept))
+        tokens = sum(len(t.completion_ids) for g in sampled for t in g.trajectories)
+        metrics["train/sample_time"] = sample_time
+        metrics["train/tokens_per_s"] = tokens / sample_time
+        metrics.update(self.trainer.train_step(kept))
+        self.store.record_groups(step, sampled)
+        if metrics.get("alerts/nan_loss"):
+            self._alert(step, "nan_loss", "Loss or gradient was not finite: the step was skipped and the "
+                        "adapter left unchanged.", {"reward/total": metrics.get("reward/total")})
+        if self.heldout and (step % self.config.log.val_every == 0 or step == self.config.steps):
+            metrics.update(self._validate(step))
+        metrics["train/total_step_time"] = time.perf_counter() - t0
+        return metrics
+
+    def _collect(self, step: int) -> tuple[list[Group], list[Group], RewardReport, int]:
+        """Sample and score groups; with dynamic sampling keep only groups with reward variance."""
+        alg = self.config.algorithm
+        target = self.config.train.tasks_per_step
+        kept: list[Group] = []
+        sampled: list[Group] = []
+        report = RewardReport()
+        rounds = 0
+        while True:
+            rounds += 1
+            tasks = self._take_tasks(target - len(kept) if alg.dynamic_sampling else target)
+            prompts = [self._render(t) for t in tasks]
+            groups = rollout_groups(self.policy, tasks, prompts, self.config.train.group_size,
+                                    self.sampling, self.generator, self.trainer.step)
+            self.reward.score(groups, report)
+            sampled.extend(groups)
+            if not alg.dynamic_sampling:
+                return groups, sampled, report, rounds
+            kept.extend(g for g in groups if has_signal(_rewards(g)))
+            if len(kept) >= target or rounds >= alg.max_sampling_rounds:
+                return kept, sampled, report, rounds
+
+    def _take_tasks(self, count: int) -> list[Task]:
+        """Next tasks from the stream, skipping (and counting) prompts over max_prompt_length."""
+        out: list[Task] = []
+        skipped_in_a_row = 0
+        while len(out) < count:
+            task = self.stream.take(1)[0]
+            if self._prompt_length(task) <= self.config.sampling.max_prompt_length:
+                out.append(task)
+                skipped_in_a_row = 0
+                continue
+            self.prompts_skipped += 1
+            skipped_in_a_row += 1
+            if skipped_in_a_row > len(self.stream.tasks):
+                raise TaskSourceError(f"every task's prompt is longer than sampling.max_prompt_length="
+                                      f"{self.config.sampling.max_prompt_length} tokens")
+        return out
+
+    def _prompt_length(self, task: Task) -> int:
+        key = task["id"]
+        if key not in self._prompt_lengths:
+            self._prompt_lengths[key] = len(self.policy.chat_ids(self._render(task)))
+        return self._prompt_lengths[key]
+
+    def _render(self, task: Task) -> list[Message]:
+        return render_prompt(task, self.config.tasks.prompt_template, self.config.tasks.system)
+
+    def _validate(self, step: int) -> dict[str, float]:
+        prompts = [self._render(t) for t in self.heldout]
+        evaluation = evaluate(self.policy, self.heldout, prompts, self.reward, self.val_sampling, step)
+        self.evaluations[step] = evaluation
+        self.store.record_groups(step, evaluation.groups, split="val")
+        return evaluation.metrics
+
+    # --- run folder, checkpoints, logging ------------------------------------------------
+
+    def _open(self) -> int:
+        """Create or reopen the run folder; return the step to continue after."""
+        has_run = (self.run_dir / "metrics.jsonl").exists() or ckpt.latest_checkpoint(self.run_dir)
+        if has_run and not self.resume:
+            raise RunExistsError(f"{self.run_dir} already holds a run: pass --resume to continue it, "
+                                 f"or choose another name (--out or name = ...)")
+        self.store = RunStore(self.run_dir)
+        self.prompts_skipped = 0
+        start = 0
+        latest = ckpt.latest_checkpoint(self.run_dir) if self.resume else None
+        if latest is not None:
+            ckpt.clean_partial(self.run_dir)
+            trainer_state, state = ckpt.load_checkpoint(latest, self.policy, self.generator)
+            self.trainer.load_state_dict(trainer_state)
+            self.stream.restore(state["tasks"])
+            self.prompts_skipped = state.get("prompts_skipped", 0)
+            start = state["step"]
+            self.store.truncate_after(start)
+            self.console.print(f"[bold]grooves[/]: resuming {self.run_dir.name} after step {start}")
+        elif self.resume:
+            self.store.truncate_after(0)
+        if start == 0:
+            self.store.write_config(dump_config(self.config))
+        self.sinks = MetricSinks(self.run_dir, self.config.log.tensorboard, self.config.log.wandb_project,
+                                 self.run_dir.name, self.config.model_dump(mode="json"))
+        return start
+
+    def _save(self, step: int) -> None:
+        ckpt.save_checkpoint(self.run_dir, step, self.policy, self.trainer.state_dict(), self.generator,
+                             {"tasks": self.stream.state(), "prompts_skipped": self.prompts_skipped,
+                              "run": self.run_dir.name})
+        ckpt.prune(self.run_dir, self.config.log.keep_checkpoints)
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics["train/prompts_skipped"] = float(self.prompts_skipped)
+        self.store.log_metrics(step, metrics)
+        self.sinks.log(step, metrics)
+
+    def _alert(self, step: int, detector: str, message: str, evidence: dict) -> None:
+        self.store.record_alert(step, detector, "warn", message, evidence)
+        self.console.print(Panel(message, title=f"alert: {detector} (step {step})", border_style="red"))
+
+    def _progress(self) -> Progress:
+        return Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                        TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(), TextColumn("left"),
+                        TimeRemainingColumn(), console=self.console, disable=not self.show_progress)
+
+
+class GracefulStop:
+    """First Ctrl-C: finish the current step, checkpoint it and stop. Second Ctrl-C: abort now."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.console.print("[yellow]stopping after this step and saving a checkpoint "
+                           "(Ctrl-C again to abort without saving)[/]")
+
+
+def _rewards(group: Group) -> torch.Tensor:
+    values = [r for r in group.rewards if r == r]  # NaN (failed) rewards carry no signal
+    return torch.tensor(values)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.3f}"

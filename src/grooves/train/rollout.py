@@ -1,0 +1,81 @@
+"""Single-turn rollouts: prompts -> G sampled completions each -> Groups of Trajectories."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from grooves.policy.policy import Policy
+from grooves.policy.sampler import Sampling
+from grooves.rewards.compose import Reward, RewardReport
+from grooves.types import Group, Message, Task, Trajectory
+
+
+def rollout_groups(policy: Policy, tasks: list[Task], prompts: list[list[Message]], n: int,
+                   sampling: Sampling, generator: torch.Generator | None, policy_step: int) -> list[Group]:
+    completions = policy.sampler().generate(prompts, n=n, sampling=sampling, generator=generator)
+    groups = []
+    for task, prompt, samples in zip(tasks, prompts, completions):
+        trajectories = [
+            Trajectory(
+                messages=[*prompt, {"role": "assistant", "content": c.text}],
+                prompt_ids=c.prompt_ids, completion_ids=c.token_ids,
+                completion_mask=[1] * len(c.token_ids), logprobs=c.logprobs,
+                finish_reason=c.finish_reason,
+                metadata={"task_id": task["id"], "policy_step": policy_step},
+            )
+            for c in samples
+        ]
+        groups.append(Group(task=task, trajectories=trajectories))
+    return groups
+
+
+def reward_metrics(groups: list[Group], reward: Reward, report: RewardReport, prefix: str = "reward") -> dict[str, float]:
+    """Mean/std of the total and of each component (NaN left out), plus error rates."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    metrics: dict[str, float] = {}
+    totals = [t.reward for t in trajectories if not math.isnan(t.reward)]
+    metrics[f"{prefix}/total"] = statistics.fmean(totals) if totals else math.nan
+    metrics[f"{prefix}/total/std"] = statistics.pstdev(totals) if len(totals) > 1 else 0.0
+    for component in reward.components:
+        values = [t.components.get(component.name, math.nan) for t in trajectories]
+        values = [v for v in values if not math.isnan(v)]
+        metrics[f"{prefix}/{component.name}"] = statistics.fmean(values) if values else math.nan
+        metrics[f"{prefix}/{component.name}/std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
+        calls = report.calls.get(component.name, 0)
+        metrics[f"{prefix}/{component.name}/error_rate"] = report.errors.get(component.name, 0) / calls if calls else 0.0
+    return metrics
+
+
+def completion_stats(groups: list[Group]) -> tuple[float, float]:
+    """Mean completion length in tokens and the share of completions cut at the limit."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    if not trajectories:
+        return math.nan, math.nan
+    mean_len = statistics.fmean(len(t.completion_ids) for t in trajectories)
+    return mean_len, sum(t.truncated for t in trajectories) / len(trajectories)
+
+
+@dataclass
+class Evaluation:
+    """Validation on held-out tasks: one completion per task."""
+
+    groups: list[Group]
+    metrics: dict[str, float]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [g.trajectories[0].reward for g in self.groups]
+
+
+def evaluate(policy: Policy, tasks: list[Task], prompts: list[list[Message]], reward: Reward,
+             sampling: Sampling, policy_step: int) -> Evaluation:
+    generator = torch.Generator().manual_seed(sampling.seed or 0) if sampling.temperature > 0 else None
+    groups = rollout_groups(policy, tasks, prompts, 1, sampling, generator, policy_step)
+    report = reward.score(groups)
+    metrics = reward_metrics(groups, reward, report, prefix="val/reward")
+    metrics["val/completion_len"], metrics["val/truncated_ratio"] = completion_stats(groups)
+    return Evaluation(groups, metrics)

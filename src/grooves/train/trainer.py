@@ -1,0 +1,221 @@
+"""One policy update from groups made anywhere: ``Trainer.train_step(groups) -> metrics``.
+
+The step: drop trajectories whose reward failed (NaN) and groups left with fewer than 2,
+shape rewards (DAPO overlong punishment), compute advantages per group, then
+``num_iterations`` passes of micro-batched forward/backward with one AdamW step per pass.
+
+Deviations worth knowing:
+- With ``num_iterations == 1`` the old policy *is* the current one, so ``old_logp`` is
+  ``logp.detach()`` (ratio 1, as in TRL); with more passes it is recomputed once, without
+  gradient, before the first pass (or taken from the sampler when ``use_sampler_logprobs``).
+- Training log-probs use the sampling temperature, matching the sampler's logprobs.
+- A non-finite loss or gradient norm skips the optimizer step (the adapter is untouched)
+  and reports ``alerts/nan_loss = 1``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from grooves.algorithms import AGGREGATIONS, ESTIMATORS, LOSSES, Algorithm, k3_kl, overlong_penalty
+from grooves.policy.logprobs import TokenBatch, build_token_batch, completion_logprobs, shared_prompt_logprobs
+from grooves.policy.policy import Policy
+from grooves.train.config import OptimConfig
+from grooves.types import Group, Trajectory
+
+
+@dataclass
+class PreparedBatch:
+    trajectories: list[Trajectory]
+    advantages: torch.Tensor  # (N,)
+    metrics: dict[str, float]
+
+
+class Trainer:
+    """Holds the optimizer of a policy's adapter and performs updates; the LR follows ``step``."""
+
+    def __init__(self, policy: Policy, algorithm: Algorithm, optim: OptimConfig, *,
+                 temperature: float = 1.0, max_completion_length: int = 64, total_steps: int = 1,
+                 use_sampler_logprobs: bool = False, share_prompt: bool = True):
+        if not policy.has_adapter:
+            raise ValueError("training needs a LoRA adapter: Policy.load(spec, lora=LoRA(rank=8))")
+        self.policy = policy
+        self.algorithm = algorithm
+        self.optim = optim
+        self.temperature = temperature
+        self.max_completion_length = max_completion_length
+        self.use_sampler_logprobs = use_sampler_logprobs
+        self.share_prompt = share_prompt
+        self.params = policy.trainable_parameters()
+        self.total_steps = total_steps
+        self.optimizer = torch.optim.AdamW(self.params, lr=optim.learning_rate, betas=optim.betas,
+                                           weight_decay=optim.weight_decay)
+        self.step = 0
+
+    # --- public ------------------------------------------------------------------
+
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        """Update the adapter once from scored groups; return the step's metrics."""
+        start = time.perf_counter()
+        lr = self.optim.learning_rate * lr_factor(self.step, self.optim.warmup_steps, self.total_steps,
+                                                  self.optim.lr_schedule)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        prepared = prepare_batch(groups, self.algorithm, self.max_completion_length)
+        metrics = {**prepared.metrics, "train/lr": lr}
+        if not prepared.trajectories:
+            metrics["train/skipped"] = 1.0
+            self.step += 1
+            return metrics
+        batch = build_token_batch(prepared.trajectories, self.policy.device)
+        if self.algorithm.mask_truncated:
+            truncated = torch.tensor([t.truncated for t in prepared.trajectories], device=batch.mask.device)
+            batch.mask = batch.mask * (~truncated)[:, None]
+        metrics.update(self._optimise(batch, prepared.advantages.to(self.policy.device)))
+        tokens = sum(len(t.completion_ids) for t in prepared.trajectories)
+        elapsed = time.perf_counter() - start
+        metrics.update({"train/step_time": elapsed, "train/update_tokens_per_s": tokens / elapsed})
+        self.step += 1
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+
+    # --- the update ----------------------------------------------------------------
+
+    def _optimise(self, batch: TokenBatch, advantages: torch.Tensor) -> dict[str, float]:
+        alg = self.algorithm
+        lm = self.policy.causal_lm
+        weights = AGGREGATIONS[alg.aggregation](batch.mask, self.max_completion_length)  # (B, T)
+        old_logp = self._old_logprobs(batch)
+        ref_logp = self._reference_logprobs(batch) if alg.beta > 0 else None
+        stats = _Stats()
+        self.policy.model.train()
+        try:
+            for iteration in range(alg.num_iterations):
+                self.optimizer.zero_grad(set_to_none=True)
+                finite, pass_loss = True, 0.0
+                for rows in batch.chunks(self.optim.micro_batch_size):
+                    micro = batch.select(rows)
+                    logp, entropy = self._logprobs(micro, with_entropy=iteration == 0)
+                    old = logp.detach() if old_logp is None else old_logp[rows]
+                    terms = LOSSES[alg.loss](logp, old, advantages[rows], micro.mask, alg.eps_low, alg.eps_high)
+                    per_token = terms.per_token
+                    if ref_logp is not None:
+                        kl = k3_kl(logp, ref_logp[rows])
+                        per_token = per_token + alg.beta * kl
+                        stats.add("kl", kl, micro.mask)
+                    loss = (per_token * weights[rows]).sum()
+                    if not torch.isfinite(loss):
+                        finite = False
+                        break
+                    loss.backward()
+                    pass_loss += loss.item()
+                    stats.add("clipfrac", terms.clipped.float(), micro.mask)
+                    stats.add("train/approx_kl", k3_kl(old, logp.detach()), micro.mask)
+                    if entropy is not None:
+                        stats.add("entropy", entropy, micro.mask)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim.max_grad_norm) if finite else None
+                if not finite or not torch.isfinite(grad_norm):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    return {"alerts/nan_loss": 1.0, "train/skipped": 1.0}
+                stats.grad_norm = grad_norm.item()
+                stats.losses.append(pass_loss)
+                self.optimizer.step()
+        finally:
+            self.policy.model.eval()
+        return stats.metrics()
+
+    @torch.no_grad()
+    def _old_logprobs(self, batch: TokenBatch) -> torch.Tensor | None:
+        if self.use_sampler_logprobs:
+            return batch.sampler_logprobs
+        if self.algorithm.num_iterations == 1:
+            return None
+        return self._forward_no_grad(batch)
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        with self.policy.reference():
+            return self._forward_no_grad(batch)
+
+    def _forward_no_grad(self, batch: TokenBatch) -> torch.Tensor:
+        logp = torch.zeros_like(batch.mask)
+        for rows in batch.chunks(self.optim.micro_batch_size):
+            logp[rows] = self._logprobs(batch.select(rows))[0]
+        return logp
+
+    def _logprobs(self, micro: TokenBatch, with_entropy: bool = False):
+        """Log-probs of one chunk (its rows share a prompt): the prompt runs once when enabled."""
+        forward = shared_prompt_logprobs if self.share_prompt else completion_logprobs
+        return forward(self.policy.causal_lm, micro, self.temperature, with_entropy)
+
+
+def prepare_batch(groups: list[Group], alg: Algorithm, max_completion_length: int) -> PreparedBatch:
+    """Keep scored trajectories, shape rewards, compute advantages (flat, group-indexed)."""
+    kept: list[Trajectory] = []
+    group_index: list[int] = []
+    dropped_trajectories = skipped_groups = 0
+    for group in groups:
+        scored = [t for t in group.trajectories if not math.isnan(t.reward)]
+        dropped_trajectories += len(group.trajectories) - len(scored)
+        if len(scored) < 2:
+            skipped_groups += 1
+            continue
+        gid = len(set(group_index))
+        kept.extend(scored)
+        group_index.extend([gid] * len(scored))
+    metrics = {"train/trajectories_unscored": float(dropped_trajectories),
+               "train/groups_skipped": float(skipped_groups)}
+    if not kept:
+        return PreparedBatch([], torch.zeros(0), metrics)
+    rewards = torch.tensor([t.reward for t in kept], dtype=torch.float64)
+    if alg.overlong_buffer > 0:
+        lengths = torch.tensor([len(t.completion_ids) for t in kept])
+        buffer = max(1, int(alg.overlong_buffer * max_completion_length))
+        penalty = overlong_penalty(lengths, max_completion_length, buffer, alg.overlong_penalty).double()
+        rewards = rewards + penalty
+        metrics["train/overlong_penalty"] = penalty.mean().item()
+    advantages = ESTIMATORS[alg.advantage](rewards, torch.tensor(group_index), alg.adv_eps)
+    metrics["train/advantage_abs"] = advantages.abs().mean().item()
+    return PreparedBatch(kept, advantages.float(), metrics)
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0
+
+
+class _Stats:
+    """Token-weighted means of diagnostics over all micro-batches and passes."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, float] = {}
+        self.losses: list[float] = []
+        self.grad_norm = 0.0
+
+    @torch.no_grad()
+    def add(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + (values * mask).sum().item()
+        self.counts[name] = self.counts.get(name, 0.0) + mask.sum().item()
+
+    def metrics(self) -> dict[str, float]:
+        out = {"loss/policy": sum(self.losses) / max(1, len(self.losses)), "train/grad_norm": self.grad_norm}
+        for name, total in self.sums.items():
+            out[name] = total / max(self.counts[name], 1.0)
+        return out

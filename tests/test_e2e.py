@@ -1,0 +1,47 @@
+"""A short end-to-end training run on the bundled model, through the public API and the CLI."""
+
+import math
+import sqlite3
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import grooves as gr
+from grooves.cli import app
+from grooves.tasks import titles
+
+
+@pytest.mark.slow
+def test_short_run_on_the_bundled_model(bundled_policy, tmp_path):
+    runs = tmp_path / "runs"
+    run = gr.train(
+        bundled_policy, tasks="builtin:titles", reward=titles.reward(), algorithm="dapo",
+        steps=2, group_size=4, tasks_per_step=1, name="e2e", runs=runs,
+        config={"sampling": {"max_completion_length": 12}, "optim": {"learning_rate": 1e-3},
+                "algorithm": {"preset": "dapo", "dynamic_sampling": False},
+                "log": {"val_size": 3, "val_every": 2, "save_every": 1}},
+        progress=False,
+    )
+    assert run.step == 2 and [m["step"] for m in run.metrics] == [0, 1, 2]
+    step = run.metrics[1]
+    for key in ("reward/total", "reward/format", "reward/grounded", "completion_len", "entropy",
+                "train/grad_norm", "frac_reward_zero_std", "train/tokens_per_s"):
+        assert key in step and math.isfinite(step[key]), key
+    assert 0.0 <= step["reward/total"] <= 1.0
+    assert set(run.evaluations) == {0, 2} and len(run.evaluations[2].rewards) == 3
+    # the adapter moved away from its zero-initialised B matrices
+    lora_b = [p for n, p in bundled_policy.model.named_parameters() if "lora_B" in n]
+    assert any(p.abs().sum() > 0 for p in lora_b)
+    with sqlite3.connect(runs / "e2e" / "run.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM trajectories WHERE split = 'train'").fetchone()[0] == 8
+
+    # the checkpoint is usable by name, with its base model found from the adapter's state
+    sampled = CliRunner().invoke(app, ["sample", "e2e@latest", "Write a title: grooves trains adapters.",
+                                       "--runs", str(runs), "--temperature", "0", "--max-tokens", "8"])
+    assert sampled.exit_code == 0, sampled.output
+    reloaded = gr.Policy.load("e2e@2", runs=runs)
+    ids = torch.tensor([reloaded.chat_ids([{"role": "user", "content": "hi"}])])
+    with torch.no_grad():
+        assert torch.allclose(reloaded.model(input_ids=ids).logits, bundled_policy.model(input_ids=ids).logits,
+                              atol=1e-4)
