@@ -2,6 +2,6 @@
 
 from pathlib import Path
 
-from grooves.train.config import config_reference
+from grooves.training.config import config_reference
 
 Path(__file__).resolve().parent.parent.joinpath("docs", "config.md").write_text(config_reference() + "\n")

@@ -61,7 +61,8 @@ def test_bad_model_and_reward_exit_2(tmp_path):
     path = tiny_config(tmp_path)
     path.write_text(path.read_text().replace(":vowels", ":nothing_here", 1))
     result = invoke("train", path)
-    assert result.exit_code == 2 and "has no attribute 'nothing_here'" in result.output
+    assert result.exit_code == 2
+    assert "reward.components.0.function:" in result.output and "has no attribute 'nothing_here'" in result.output
 
 
 def test_train_runs_and_sample_resume_list(tmp_path):

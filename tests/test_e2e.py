@@ -45,3 +45,12 @@ def test_short_run_on_the_bundled_model(bundled_policy, tmp_path):
     with torch.no_grad():
         assert torch.allclose(reloaded.model(input_ids=ids).logits, bundled_policy.model(input_ids=ids).logits,
                               atol=1e-4)
+
+
+def test_public_api_names_stay_functions_after_submodule_imports():
+    import grooves.training.loop  # noqa: F401  (a submodule import must not shadow gr.train)
+
+    assert callable(gr.train) and gr.train.__module__ == "grooves.training.api"
+    assert gr.algorithms.dapo().name == "dapo"
+    with pytest.raises(AttributeError):
+        gr.not_a_name

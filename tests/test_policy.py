@@ -31,7 +31,10 @@ def test_unknown_specs_give_one_clear_error(monkeypatch):
 
 
 def test_hub_id_offline_names_the_spec_and_the_way_out(monkeypatch):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import time
     with pytest.raises(ModelSpecError) as error:
         models.load_model("some-org/some-model-that-is-not-cached")
     message = str(error.value)

@@ -9,8 +9,8 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from grooves.train import load_config, run_config
-from grooves.train.store import read_metrics
+from grooves.training import load_config, run_config
+from grooves.training.store import read_metrics
 from helpers import tiny_config
 
 

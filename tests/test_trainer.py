@@ -7,8 +7,8 @@ import torch
 
 from grooves import algorithms
 from grooves.policy import Sampling
-from grooves.train.config import OptimConfig
-from grooves.train.trainer import Trainer, lr_factor, prepare_batch
+from grooves.training.config import OptimConfig
+from grooves.training.trainer import Trainer, lr_factor, prepare_batch
 from grooves.types import Group, Trajectory
 
 

@@ -20,11 +20,11 @@ _EXPORTS = {
     "Reward": "grooves.rewards",
     "Component": "grooves.rewards",
     "load_tasks": "grooves.tasks",
-    "train": "grooves.train",
-    "Trainer": "grooves.train",
-    "RunConfig": "grooves.train",
-    "load_config": "grooves.train",
-    "run_config": "grooves.train",
+    "train": "grooves.training",
+    "Trainer": "grooves.training",
+    "RunConfig": "grooves.training",
+    "load_config": "grooves.training",
+    "run_config": "grooves.training",
 }
 
 __all__ = ["algorithms", *_EXPORTS]
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from grooves.policy import LoRA, Policy, Sampling
     from grooves.rewards import Component, Reward
     from grooves.tasks import load_tasks
-    from grooves.train import RunConfig, Trainer, load_config, run_config, train
+    from grooves.training import RunConfig, Trainer, load_config, run_config, train
     from grooves.types import Group, Trajectory
 
 

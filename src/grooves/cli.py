@@ -22,7 +22,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # no hard wraps: paths and messages stay copyable
 
 RunsOption = Annotated[Path | None, typer.Option("--runs", envvar="GROOVES_RUNS",
                                                  help="Runs root folder (default: ./runs).")]
@@ -37,8 +37,8 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from grooves.policy.checkpoints import CheckpointError
     from grooves.policy.models import ModelSpecError
     from grooves.tasks.sources import TaskSourceError
-    from grooves.train.config import ConfigError
-    from grooves.train.loop import RunExistsError
+    from grooves.training.config import ConfigError
+    from grooves.training.loop import RunExistsError
 
     return (ConfigError, CheckpointError, ModelSpecError, TaskSourceError, RunExistsError,
             FileNotFoundError, ModuleNotFoundError)
@@ -55,8 +55,10 @@ def train(
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
 ) -> None:
     """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder."""
-    from grooves.train.config import ConfigError, load_config
+    from grooves.training.config import ConfigError, load_config
 
+    if not config.is_file():
+        raise _fail(f"config file {config} does not exist")
     try:
         cfg = load_config(config)
         if steps is not None:
@@ -65,7 +67,7 @@ def train(
         raise _fail(f"invalid config {config}:\n{error}") from None
     except ValueError as error:  # a bad --steps value fails validation on assignment
         raise _fail(f"--steps: {error}") from None
-    from grooves.train.api import run_config
+    from grooves.training.api import run_config
 
     try:
         run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet)
@@ -110,7 +112,7 @@ def list_runs(runs: RunsOption = None) -> None:
     from rich.table import Table
 
     from grooves.policy.checkpoints import list_checkpoints, runs_root
-    from grooves.train.store import read_metrics
+    from grooves.training.store import read_metrics
 
     root = runs_root(runs)
     folders = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []

@@ -16,10 +16,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from grooves.train.api import run_config
-from grooves.train.config import load_config
-from grooves.train.loop import Run
-from grooves.train.rollout import Evaluation
+from grooves.training.api import run_config
+from grooves.training.config import load_config
+from grooves.training.loop import Run
+from grooves.training.rollout import Evaluation
 
 
 @dataclass

@@ -12,8 +12,8 @@ from grooves.policy.checkpoints import runs_root
 from grooves.policy.policy import Policy
 from grooves.rewards.compose import Component, Reward, as_reward, import_object
 from grooves.tasks.sources import load_tasks, split_tasks
-from grooves.train.config import RewardConfig, RunConfig, TasksConfig, parse_config
-from grooves.train.loop import Run, TrainingRun
+from grooves.training.config import ConfigError, RewardConfig, RunConfig, TasksConfig, parse_config
+from grooves.training.loop import Run, TrainingRun
 from grooves.types import Task
 
 
@@ -24,15 +24,19 @@ def resolve_device(name: str) -> str:
 
 
 def build_reward(config: RewardConfig) -> Reward:
+    """The reward a config names; an unknown builtin or function is a ConfigError with its path."""
+    from grooves.tasks.sources import BUILTIN
+
     components = []
     if config.builtin:
-        from grooves.tasks.sources import BUILTIN
-
         if config.builtin not in BUILTIN:
-            raise ValueError(f"reward.builtin: unknown {config.builtin!r}; available: {', '.join(BUILTIN)}")
+            raise ConfigError(f"reward.builtin: unknown {config.builtin!r}; available: {', '.join(BUILTIN)}")
         components.extend(import_object(f"{BUILTIN[config.builtin]}:reward")().components)
-    for item in config.components:
-        fn = import_object(item.function)
+    for index, item in enumerate(config.components):
+        try:
+            fn = import_object(item.function)
+        except (ValueError, ImportError, FileNotFoundError) as error:
+            raise ConfigError(f"reward.components.{index}.function: {error}") from None
         components.append(Component(item.name or fn.__name__, fn, item.weight, item.required))
     return Reward(components)
 

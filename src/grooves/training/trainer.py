@@ -24,7 +24,7 @@ import torch
 from grooves.algorithms import AGGREGATIONS, ESTIMATORS, LOSSES, Algorithm, k3_kl, overlong_penalty
 from grooves.policy.logprobs import TokenBatch, build_token_batch, completion_logprobs, shared_prompt_logprobs
 from grooves.policy.policy import Policy
-from grooves.train.config import OptimConfig
+from grooves.training.config import OptimConfig
 from grooves.types import Group, Trajectory
 
 

@@ -69,6 +69,12 @@ def prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def random_state(generator: torch.Generator) -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
              "sampler": generator.get_state()}

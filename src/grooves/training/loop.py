@@ -24,12 +24,12 @@ from grooves.policy.policy import Policy
 from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import Reward, RewardReport
 from grooves.tasks.sources import TaskSourceError, TaskStream, render_prompt
-from grooves.train import checkpoint as ckpt
-from grooves.train.config import RunConfig, dump_config
-from grooves.train.rollout import Evaluation, completion_stats, evaluate, reward_metrics, rollout_groups
-from grooves.train.sinks import MetricSinks
-from grooves.train.store import RunStore
-from grooves.train.trainer import Trainer
+from grooves.training import checkpoint as ckpt
+from grooves.training.config import RunConfig, dump_config
+from grooves.training.rollout import Evaluation, completion_stats, evaluate, reward_metrics, rollout_groups
+from grooves.training.sinks import MetricSinks
+from grooves.training.store import RunStore
+from grooves.training.trainer import Trainer
 from grooves.types import Group, Message, Task
 
 
@@ -204,6 +204,9 @@ class TrainingRun:
         elif self.resume:
             self.store.truncate_after(0)
         if start == 0:
+            # Global generators drive LoRA dropout; seeding them makes a run independent of what
+            # ran before it in the process (a resume restores them from the checkpoint instead).
+            ckpt.seed_everything(self.config.seed)
             self.store.write_config(dump_config(self.config))
         self.sinks = MetricSinks(self.run_dir, self.config.log.tensorboard, self.config.log.wandb_project,
                                  self.run_dir.name, self.config.model_dump(mode="json"))
