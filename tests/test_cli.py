@@ -98,3 +98,26 @@ def test_train_runs_and_sample_resume_list(tmp_path):
 def test_sample_base_model(tmp_path):
     result = invoke("sample", "tiny", "hi", "--temperature", "0", "--max-tokens", "4")
     assert result.exit_code == 0
+
+
+def test_long_prompts_are_skipped_and_counted(tmp_path):
+    from grooves.training import load_config, run_config
+
+    from grooves.policy import Policy
+    from grooves.tasks import load_tasks, render_prompt
+
+    config = load_config(tiny_config(tmp_path, steps=2))
+    policy = Policy.load("tiny")
+    lengths = sorted(len(policy.chat_ids(render_prompt(t, config.tasks.prompt_template)))
+                     for t in load_tasks(config.tasks.source))
+    config.sampling.max_prompt_length = lengths[len(lengths) // 2]  # about half of the prompts fit
+    config.log.tensorboard = True
+    run = run_config(config, out=tmp_path / "run", progress=False)
+    assert run.metrics[-1]["train/prompts_skipped"] > 0
+    groups_trained = [m for m in run.metrics[1:] if m.get("train/skipped") != 1.0]
+    assert groups_trained  # training went on with the tasks that fit
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+    config.sampling.max_prompt_length = 3  # nothing fits: a clear error, not an endless loop
+    with pytest.raises(Exception, match="every task's prompt is longer than sampling.max_prompt_length=3"):
+        run_config(config, out=tmp_path / "run2", progress=False)

@@ -145,3 +145,19 @@ def test_lr_schedules():
     assert lr_factor(2, 2, 10, "linear") == 1.0 and lr_factor(6, 2, 10, "linear") == 0.5
     assert lr_factor(6, 2, 10, "cosine") == pytest.approx(0.5)
     assert lr_factor(10, 0, 10, "cosine") == pytest.approx(0.0)
+
+
+def test_gradient_checkpointing_gives_the_same_update():
+    from grooves.policy import LoRA, Policy
+
+    def run(checkpointing):
+        policy = Policy.load("tiny", lora=LoRA(rank=4), seed=0)
+        if checkpointing:
+            policy.causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        groups = sampled_groups(policy, [[1.0, 0.0, 0.5, 0.2]])
+        Trainer(policy, algorithms.grpo(), OptimConfig(learning_rate=1e-2), max_completion_length=8).train_step(groups)
+        return adapter_state(policy)
+
+    plain, checkpointed = run(False), run(True)
+    for name in plain:
+        assert torch.allclose(plain[name], checkpointed[name], atol=1e-6)

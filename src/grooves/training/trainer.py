@@ -154,9 +154,15 @@ class Trainer:
         return logp
 
     def _logprobs(self, micro: TokenBatch, with_entropy: bool = False):
-        """Log-probs of one chunk (its rows share a prompt): the prompt runs once when enabled."""
-        forward = shared_prompt_logprobs if self.share_prompt else completion_logprobs
-        return forward(self.policy.causal_lm, micro, self.temperature, with_entropy)
+        """Log-probs of one chunk (its rows share a prompt): the prompt runs once when enabled.
+
+        Activation checkpointing makes transformers drop the KV cache in training mode, which
+        the shared-prompt path needs, so it falls back to the plain path then.
+        """
+        lm = self.policy.causal_lm
+        checkpointing = getattr(lm, "is_activation_checkpointing", False)
+        forward = shared_prompt_logprobs if self.share_prompt and not checkpointing else completion_logprobs
+        return forward(lm, micro, self.temperature, with_entropy)
 
 
 def prepare_batch(groups: list[Group], alg: Algorithm, max_completion_length: int) -> PreparedBatch:
