@@ -96,31 +96,9 @@ class Sampler:
 
     @torch.inference_mode()
     def _generate_chunk(self, prompt_ids, n, sampling, generator) -> list[Completion]:
-        from transformers import DynamicCache
-
         lm = self.policy.causal_lm
         device = self.policy.device
-        lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
-        if int(lengths.min()) == 0:
-            raise ValueError("a prompt has no tokens")
-        width = int(lengths.max())
-        ids = torch.zeros(len(prompt_ids), width, dtype=torch.long, device=device)
-        attention = torch.zeros(len(prompt_ids), width, dtype=torch.long, device=device)
-        for row, p in enumerate(prompt_ids):  # left padding: every prompt ends at the same column
-            ids[row, width - len(p):] = torch.tensor(p, device=device)
-            attention[row, width - len(p):] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-
-        cache = DynamicCache(config=lm.config)
-        out = lm(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache,
-                 use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1, :]  # (B, V)
-        if n > 1:  # one prefill per prompt, then n copies of its cache
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)
-            attention = attention.repeat_interleave(n, dim=0)
-            lengths = lengths.repeat_interleave(n)
-        next_position = lengths.clone()  # (N,)
+        cache, logits, attention, next_position = self._prefill(lm, prompt_ids, n)
         rows = list(range(logits.shape[0]))  # original row of each active row
         tokens: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[float]] = [[] for _ in rows]
@@ -160,6 +138,32 @@ class Sampler:
             )
             for r in range(len(tokens))
         ]
+
+    def _prefill(self, lm, prompt_ids: list[list[int]], n: int):
+        """Run the prompts once (left-padded) and repeat each one's cache for its n samples."""
+        from transformers import DynamicCache
+
+        device = self.policy.device
+        lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
+        if int(lengths.min()) == 0:
+            raise ValueError("a prompt has no tokens")
+        width = int(lengths.max())
+        ids = torch.zeros(len(prompt_ids), width, dtype=torch.long, device=device)
+        attention = torch.zeros(len(prompt_ids), width, dtype=torch.long, device=device)
+        for row, p in enumerate(prompt_ids):  # left padding: every prompt ends at the same column
+            ids[row, width - len(p):] = torch.tensor(p, device=device)
+            attention[row, width - len(p):] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=lm.config)
+        out = lm(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache,
+                 use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :]  # (B, V)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            attention = attention.repeat_interleave(n, dim=0)
+            lengths = lengths.repeat_interleave(n)
+        return cache, logits, attention, lengths.clone()  # next position of each row = its length
 
     def _hits_stop_string(self, token_ids: list[int], stop: tuple[str, ...]) -> bool:
         if not stop:

@@ -38,11 +38,12 @@ class PreparedBatch:
 class Trainer:
     """Holds the optimizer of a policy's adapter and performs updates; the LR follows ``step``."""
 
-    def __init__(self, policy: Policy, algorithm: Algorithm, optim: OptimConfig, *,
+    def __init__(self, policy: Policy, algorithm: Algorithm, optim: OptimConfig | None = None, *,
                  temperature: float = 1.0, max_completion_length: int = 64, total_steps: int = 1,
                  use_sampler_logprobs: bool = False, share_prompt: bool = True):
         if not policy.has_adapter:
             raise ValueError("training needs a LoRA adapter: Policy.load(spec, lora=LoRA(rank=8))")
+        optim = optim or OptimConfig()
         self.policy = policy
         self.algorithm = algorithm
         self.optim = optim
