@@ -153,7 +153,7 @@ def test_gradient_checkpointing_gives_the_same_update():
     def run(checkpointing):
         policy = Policy.load("tiny", lora=LoRA(rank=4), seed=0)
         if checkpointing:
-            policy.causal_lm.activation_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            policy.causal_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         groups = sampled_groups(policy, [[1.0, 0.0, 0.5, 0.2]])
         Trainer(policy, algorithms.grpo(), OptimConfig(learning_rate=1e-2), max_completion_length=8).train_step(groups)
         return adapter_state(policy)

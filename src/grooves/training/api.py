@@ -56,7 +56,7 @@ def load_policy(config: RunConfig, runs: str | Path | None = None) -> Policy:
                          device=resolve_device(config.model.device), dtype=config.model.dtype,
                          seed=config.seed, runs=runs)
     if config.model.gradient_checkpointing:
-        policy.causal_lm.activation_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.causal_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return policy
 
 
