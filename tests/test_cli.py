@@ -121,3 +121,28 @@ def test_long_prompts_are_skipped_and_counted(tmp_path):
     config.sampling.max_prompt_length = 3  # nothing fits: a clear error, not an endless loop
     with pytest.raises(Exception, match="every task's prompt is longer than sampling.max_prompt_length=3"):
         run_config(config, out=tmp_path / "run2", progress=False)
+
+
+def test_a_failing_reward_is_reported_once_and_never_zeroed(tmp_path):
+    import json
+    import math
+
+    from grooves.training import load_config, run_config
+
+    path = tiny_config(tmp_path, steps=2)
+    (tmp_path / "my_reward.py").write_text((tmp_path / "my_reward.py").read_text() + '''
+def picky(completion):
+    if len(completion) % 2:
+        raise RuntimeError("judge unavailable")
+    return 1.0
+''')
+    path.write_text(path.read_text().replace(":short", ":picky"))
+    run = run_config(load_config(path), out=tmp_path / "run", progress=False)
+    step = run.metrics[1]
+    assert 0 < step["reward/picky/error_rate"] < 1 and step["reward/picky"] == 1.0  # failures are not zeros
+    with sqlite3.connect(tmp_path / "run" / "run.sqlite") as db:
+        alerts = db.execute("SELECT detector, evidence FROM alerts").fetchall()
+        rewards = [r for (r,) in db.execute("SELECT reward FROM trajectories WHERE split = 'train'")]
+    assert [a[0] for a in alerts] == ["reward_error"]  # once, not once per step
+    assert json.loads(alerts[0][1])["first_error"] == "RuntimeError: judge unavailable"
+    assert None in rewards and all(r is None or math.isfinite(r) for r in rewards)

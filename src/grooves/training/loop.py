@@ -76,6 +76,7 @@ class TrainingRun:
                                use_sampler_logprobs=config.train.use_sampler_logprobs,
                                share_prompt=config.train.share_prompt)
         self._prompt_lengths: dict[str, int] = {}
+        self._reported_errors: set[str] = set()
         self.evaluations: dict[int, Evaluation] = {}
 
     # --- the loop --------------------------------------------------------------------
@@ -105,7 +106,7 @@ class TrainingRun:
 
     def _step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        kept, sampled, report, rounds = self._collect(step)
+        kept, sampled, report, rounds = self._collect()
         sample_time = time.perf_counter() - t0
         metrics = reward_metrics(sampled, self.reward, report)
         metrics["completion_len"], metrics["train/truncated_ratio"] = completion_stats(sampled)
@@ -117,6 +118,7 @@ class TrainingRun:
         metrics["train/tokens_per_s"] = tokens / sample_time
         metrics.update(self.trainer.train_step(kept))
         self.store.record_groups(step, sampled)
+        self._report_reward_errors(step, report)
         if metrics.get("alerts/nan_loss"):
             self._alert(step, "nan_loss", "Loss or gradient was not finite: the step was skipped and the "
                         "adapter left unchanged.", {"reward/total": metrics.get("reward/total")})
@@ -125,7 +127,7 @@ class TrainingRun:
         metrics["train/total_step_time"] = time.perf_counter() - t0
         return metrics
 
-    def _collect(self, step: int) -> tuple[list[Group], list[Group], RewardReport, int]:
+    def _collect(self) -> tuple[list[Group], list[Group], RewardReport, int]:
         """Sample and score groups; with dynamic sampling keep only groups with reward variance."""
         alg = self.config.algorithm
         target = self.config.train.tasks_per_step
@@ -226,6 +228,19 @@ class TrainingRun:
     def _alert(self, step: int, detector: str, message: str, evidence: dict) -> None:
         self.store.record_alert(step, detector, "warn", message, evidence)
         self.console.print(Panel(message, title=f"alert: {detector} (step {step})", border_style="red"))
+
+    def _report_reward_errors(self, step: int, report: RewardReport) -> None:
+        """Show the first failure of each reward component once; later ones only count in metrics."""
+        for name, errors in report.errors.items():
+            if name in self._reported_errors:
+                continue
+            self._reported_errors.add(name)
+            self._alert(step, "reward_error",
+                        f"reward component {name!r} failed on {errors} of {report.calls[name]} trajectories "
+                        f"(they get NaN, not 0, and leave the advantage if required). First error: "
+                        f"{report.first_error[name]}",
+                        {"component": name, "errors": errors, "calls": report.calls[name],
+                         "first_error": report.first_error[name]})
 
     def _progress(self) -> Progress:
         return Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
