@@ -146,3 +146,12 @@ def picky(completion):
     assert [a[0] for a in alerts] == ["reward_error"]  # once, not once per step
     assert json.loads(alerts[0][1])["first_error"] == "RuntimeError: judge unavailable"
     assert None in rewards and all(r is None or math.isfinite(r) for r in rewards)
+
+
+def test_config_reference_doc_is_current():
+    from pathlib import Path
+
+    from grooves.training.config import config_reference
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+    assert doc.read_text() == config_reference() + "\n", "run: python scripts/gen_config_docs.py"

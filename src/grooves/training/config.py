@@ -204,30 +204,6 @@ def config_reference() -> str:
     return "\n".join(lines)
 
 
-def parse_config(data: dict) -> RunConfig:
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as error:
-        raise ConfigError(format_validation_error(error)) from None
-
-
-def load_config(path: str | Path) -> RunConfig:
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path}: not valid TOML ({error})") from None
-    return parse_config(data)
-
-
-def dump_config(config: RunConfig) -> str:
-    import tomli_w
-
-    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
-
-
 def _type_name(annotation) -> str:
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(f"`{value!r}`" for value in get_args(annotation))
