@@ -62,3 +62,29 @@ def test_resume_after_a_crash_during_checkpoint_write(tmp_path):
     run = run_config(config, out=run_dir, resume=True, progress=False)
     assert run.step == 4 and not partial.exists()
     assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+
+
+def test_resume_before_the_first_checkpoint_starts_over_once(tmp_path):
+    config_path = tiny_config(tmp_path, steps=2)
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text(reward_file.read_text() + f'''
+import pathlib
+def crash_once(completion):
+    counter = pathlib.Path({str(tmp_path / "calls")!r})
+    calls = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(calls))
+    if calls == 5:  # the first training call, after step 0's validation of 4 tasks and before any checkpoint
+        raise KeyboardInterrupt  # stands for a kill
+    return 0.0
+''')
+    config_path.write_text(config_path.read_text().replace(":short", ":crash_once"))
+    run_dir = tmp_path / "run"
+    try:
+        run_config(load_config(config_path), out=run_dir, progress=False)
+    except KeyboardInterrupt:
+        pass
+    assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")] == [0]
+    assert not list((run_dir / "checkpoints").iterdir())
+    run = run_config(load_config(config_path), out=run_dir, resume=True, progress=False)
+    assert run.step == 2
+    assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]

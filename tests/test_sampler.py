@@ -106,3 +106,19 @@ def test_sampling_validates():
         Sampling(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         Sampling(top_p=0)
+
+
+def test_a_stop_token_is_kept_and_finished_rows_leave_the_batch(tiny_policy, monkeypatch):
+    sampling = Sampling(temperature=0, max_new_tokens=12)
+
+    def greedy(prompts):
+        return [r[0] for r in tiny_policy.sampler().generate(prompts, sampling=sampling)]
+
+    short_prompt, long_prompt = [10, 11, 12], [30, 31, 32, 33, 34]
+    alone_short, alone_long = greedy([short_prompt])[0].token_ids, greedy([long_prompt])[0].token_ids
+    stop = next(t for t in alone_short[1:] if t not in alone_long)  # ends the short row only
+    monkeypatch.setattr(tiny_policy, "stop_token_ids", {stop})
+    short, long = greedy([short_prompt, long_prompt])
+    assert short.finish_reason == "stop" and short.token_ids == alone_short[: alone_short.index(stop) + 1]
+    # the long row went on alone after the short one was dropped from the batch and its cache
+    assert long.finish_reason == "length" and long.token_ids == alone_long

@@ -110,27 +110,97 @@ def test_nan_loss_skips_the_step_and_keeps_the_adapter(tiny_policy):
     assert "alerts/nan_loss" not in trainer.train_step(groups)  # the next step trains normally
 
 
-@pytest.mark.parametrize("preset", ["gspo", "cispo", "rloo", "dr_grpo"])
-def test_every_preset_trains(tiny_policy, preset):
-    trainer = Trainer(tiny_policy, algorithms.preset(preset), OptimConfig(), max_completion_length=8)
-    metrics = trainer.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]]))
+@pytest.mark.parametrize("preset", list(algorithms.PRESETS))
+def test_every_preset_raises_the_best_completion(preset):
+    from grooves.policy import LoRA, Policy
+    from grooves.policy.logprobs import build_token_batch, completion_logprobs
+
+    policy = Policy.load("tiny", lora=LoRA(rank=4), seed=0)
+    groups = sampled_groups(policy, [[1.0, 0.0, 0.0, 0.0]])
+    best = build_token_batch([groups[0].trajectories[0]])
+
+    def best_logprob():
+        with torch.no_grad():
+            return completion_logprobs(policy.causal_lm, best)[0].sum().item()
+
+    before = best_logprob()
+    trainer = Trainer(policy, algorithms.preset(preset, dynamic_sampling=False), OptimConfig(learning_rate=1e-2),
+                      max_completion_length=8)
+    metrics = trainer.train_step(groups)
+    assert best_logprob() > before
     assert math.isfinite(metrics["loss/policy"]) and metrics["train/grad_norm"] > 0
 
 
-def test_kl_penalty_and_multiple_iterations(tiny_policy):
-    trainer = Trainer(tiny_policy, algorithms.ppo(beta=0.1), OptimConfig(learning_rate=5e-2),
-                      max_completion_length=8)
+@pytest.mark.parametrize("preset", ["grpo", "gspo", "cispo"])
+def test_a_second_pass_is_off_policy_and_clips(tiny_policy, preset):
+    """With two passes the second sees a moved policy: the ratio leaves 1 and the clip bites."""
+    trainer = Trainer(tiny_policy, algorithms.preset(preset, num_iterations=2, eps_low=0.01, eps_high=0.01),
+                      OptimConfig(learning_rate=5e-2), max_completion_length=8)
     metrics = trainer.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]]))
-    # the first pass starts at the reference (KL 0); the second pass has moved away
-    assert metrics["kl"] > 0 and metrics["train/approx_kl"] > 0
+    assert metrics["train/approx_kl"] > 0 and metrics["clipfrac"] > 0
 
 
-def test_all_equal_rewards_give_no_update(tiny_policy):
-    trainer = Trainer(tiny_policy, algorithms.grpo(), OptimConfig(), max_completion_length=8)
+def test_kl_penalty_holds_the_policy_near_the_base_model():
+    from grooves.policy import LoRA, Policy
+    from grooves.policy.logprobs import build_token_batch, completion_logprobs
+
+    def drift(beta):
+        policy = Policy.load("tiny", lora=LoRA(rank=4), seed=0)
+        groups = sampled_groups(policy, [[1.0, 0.0, 0.5, 0.2]])
+        trainer = Trainer(policy, algorithms.ppo(beta=beta, num_iterations=4), OptimConfig(learning_rate=5e-2),
+                          max_completion_length=8)
+        trainer.train_step(groups)
+        batch = build_token_batch(groups[0].trajectories)
+        with torch.no_grad():
+            logp, _ = completion_logprobs(policy.causal_lm, batch)
+            with policy.reference():
+                ref, _ = completion_logprobs(policy.causal_lm, batch)
+        return (algorithms.k3_kl(logp, ref) * batch.mask).sum().item() / batch.mask.sum().item()
+
+    free, held = drift(0.0), drift(5.0)
+    assert 0 < held < free
+
+
+def test_all_equal_rewards_give_no_update_even_with_adam_momentum(tiny_policy):
+    trainer = Trainer(tiny_policy, algorithms.grpo(), OptimConfig(learning_rate=1e-2), max_completion_length=8)
+    trainer.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]]))  # builds AdamW momentum
     before = adapter_state(tiny_policy)
-    trainer.train_step(sampled_groups(tiny_policy, [[0.5, 0.5, 0.5, 0.5]]))
+    metrics = trainer.train_step(sampled_groups(tiny_policy, [[0.5, 0.5, 0.5, 0.5]], seed=1))
     after = adapter_state(tiny_policy)
-    assert all(torch.allclose(before[n], after[n]) for n in before)  # advantages are all zero
+    assert metrics["train/skipped"] == 1.0
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_nan_in_a_later_pass_undoes_the_earlier_passes(tiny_policy):
+    trainer = Trainer(tiny_policy, algorithms.ppo(), OptimConfig(learning_rate=1e-2), max_completion_length=8)
+    trainer.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]]))  # optimizer state exists
+    before = adapter_state(tiny_policy)
+    optimizer_before = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
+    stepped = []
+    handle = trainer.optimizer.register_step_post_hook(lambda opt, args, kwargs: stepped.append(1))
+    layer = tiny_policy.causal_lm.get_decoder().layers[0]
+    # fault injection: NaN only after the first pass's optimizer step
+    hook = layer.register_forward_hook(lambda m, i, o: o * float("nan") if m.training and stepped else o)
+    try:
+        metrics = trainer.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.3, 0.2]], seed=2))
+    finally:
+        hook.remove()
+        handle.remove()
+    assert stepped and metrics["alerts/nan_loss"] == 1.0
+    after = adapter_state(tiny_policy)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    for key, value in trainer.optimizer.state_dict()["state"][0].items():
+        assert torch.equal(value, optimizer_before[key]), key
+
+
+def test_kl_to_the_base_model_is_logged_without_a_penalty(tiny_policy):
+    trainer = Trainer(tiny_policy, algorithms.grpo(), OptimConfig(learning_rate=5e-2), max_completion_length=8)
+    first = trainer.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]]))
+    second = trainer.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]], seed=1))
+    assert first["kl"] == pytest.approx(0.0, abs=1e-7)  # a fresh LoRA is the base model
+    assert second["kl"] > 0
+    quiet = Trainer(tiny_policy, algorithms.grpo(), OptimConfig(), max_completion_length=8, kl_every=0)
+    assert "kl" not in quiet.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]]))
 
 
 def test_training_needs_an_adapter():

@@ -75,7 +75,7 @@ class Sampler:
     ) -> list[list[Completion]]:
         """``n`` completions for each prompt, as one list per prompt."""
         if generator is None and sampling.seed is not None:
-            generator = torch.Generator().manual_seed(sampling.seed)
+            generator = torch.Generator(device=self.policy.device).manual_seed(sampling.seed)
         encoded = [self.encode(p) for p in prompts]
         # Chunks of similar length waste less on left padding; results go back in prompt order.
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
@@ -197,8 +197,10 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     vocabulary entry); ``right=True`` never lands on a zero-probability token.
     """
     cdf = probs.cumsum(dim=-1)  # (A, V)
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
+    total = cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # rounding must not reach the total
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -74,7 +74,7 @@ class TrainingRun:
         self.trainer = Trainer(policy, config.algorithm, config.optim, temperature=s.temperature,
                                max_completion_length=s.max_completion_length, total_steps=config.steps,
                                use_sampler_logprobs=config.train.use_sampler_logprobs,
-                               share_prompt=config.train.share_prompt)
+                               share_prompt=config.train.share_prompt, kl_every=config.log.kl_every)
         self._prompt_lengths: dict[str, int] = {}
         self._reported_errors: set[str] = set()
         self.evaluations: dict[int, Evaluation] = {}
@@ -194,8 +194,9 @@ class TrainingRun:
         self.prompts_skipped = 0
         start = 0
         latest = ckpt.latest_checkpoint(self.run_dir) if self.resume else None
-        if latest is not None:
+        if self.resume:
             ckpt.clean_partial(self.run_dir)
+        if latest is not None:
             trainer_state, state = ckpt.load_checkpoint(latest, self.policy, self.generator)
             self.trainer.load_state_dict(trainer_state)
             self.stream.restore(state["tasks"])
@@ -203,8 +204,8 @@ class TrainingRun:
             start = state["step"]
             self.store.truncate_after(start)
             self.console.print(f"[bold]grooves[/]: resuming {self.run_dir.name} after step {start}")
-        elif self.resume:
-            self.store.truncate_after(0)
+        elif self.resume:  # nothing was saved yet: start over, step 0 included
+            self.store.truncate_after(-1)
         if start == 0:
             # Global generators drive LoRA dropout; seeding them makes a run independent of what
             # ran before it in the process (a resume restores them from the checkpoint instead).

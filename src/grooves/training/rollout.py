@@ -73,7 +73,9 @@ class Evaluation:
 
 def evaluate(policy: Policy, tasks: list[Task], prompts: list[list[Message]], reward: Reward,
              sampling: Sampling, policy_step: int) -> Evaluation:
-    generator = torch.Generator().manual_seed(sampling.seed or 0) if sampling.temperature > 0 else None
+    generator = None
+    if sampling.temperature > 0:
+        generator = torch.Generator(device=policy.device).manual_seed(sampling.seed or 0)
     groups = rollout_groups(policy, tasks, prompts, 1, sampling, generator, policy_step)
     report = reward.score(groups)
     metrics = reward_metrics(groups, reward, report, prefix="val/reward")

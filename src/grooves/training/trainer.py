@@ -9,12 +9,17 @@ Deviations worth knowing:
   ``logp.detach()`` (ratio 1, as in TRL); with more passes it is recomputed once, without
   gradient, before the first pass (or taken from the sampler when ``use_sampler_logprobs``).
 - Training log-probs use the sampling temperature, matching the sampler's logprobs.
-- A non-finite loss or gradient norm skips the optimizer step (the adapter is untouched)
-  and reports ``alerts/nan_loss = 1``.
+- A non-finite loss or gradient norm skips the step: the adapter and optimizer state are
+  left as they were before the step (earlier passes are undone) and ``alerts/nan_loss = 1``.
+- A batch whose advantages are all zero (and ``beta == 0``) is skipped: it has no gradient,
+  but an AdamW step would still move the adapter through its momentum.
+- ``kl`` (to the base model, the adapter disabled) is logged every ``kl_every`` steps even
+  when ``beta == 0``; that costs one forward pass without gradient.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -40,7 +45,7 @@ class Trainer:
 
     def __init__(self, policy: Policy, algorithm: Algorithm, optim: OptimConfig | None = None, *,
                  temperature: float = 1.0, max_completion_length: int = 64, total_steps: int = 1,
-                 use_sampler_logprobs: bool = False, share_prompt: bool = True):
+                 use_sampler_logprobs: bool = False, share_prompt: bool = True, kl_every: int = 1):
         if not policy.has_adapter:
             raise ValueError("training needs a LoRA adapter: Policy.load(spec, lora=LoRA(rank=8))")
         optim = optim or OptimConfig()
@@ -51,6 +56,7 @@ class Trainer:
         self.max_completion_length = max_completion_length
         self.use_sampler_logprobs = use_sampler_logprobs
         self.share_prompt = share_prompt
+        self.kl_every = kl_every
         self.params = policy.trainable_parameters()
         self.total_steps = total_steps
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.learning_rate, betas=optim.betas,
@@ -68,7 +74,8 @@ class Trainer:
             param_group["lr"] = lr
         prepared = prepare_batch(groups, self.algorithm, self.max_completion_length)
         metrics = {**prepared.metrics, "train/lr": lr}
-        if not prepared.trajectories:
+        no_signal = self.algorithm.beta == 0 and not bool((prepared.advantages != 0).any())
+        if not prepared.trajectories or no_signal:  # nothing to learn: AdamW momentum must not move the adapter
             metrics["train/skipped"] = 1.0
             self.step += 1
             return metrics
@@ -94,46 +101,71 @@ class Trainer:
 
     def _optimise(self, batch: TokenBatch, advantages: torch.Tensor) -> dict[str, float]:
         alg = self.algorithm
-        lm = self.policy.causal_lm
         weights = AGGREGATIONS[alg.aggregation](batch.mask, self.max_completion_length)  # (B, T)
         old_logp = self._old_logprobs(batch)
-        ref_logp = self._reference_logprobs(batch) if alg.beta > 0 else None
+        track_kl = alg.beta > 0 or (self.kl_every > 0 and self.step % self.kl_every == 0)
+        ref_logp = self._reference_logprobs(batch) if track_kl else None
         stats = _Stats()
+        # A later pass that fails must not leave the earlier passes' updates behind.
+        snapshot = self._snapshot() if alg.num_iterations > 1 else None
         self.policy.model.train()
         try:
             for iteration in range(alg.num_iterations):
-                self.optimizer.zero_grad(set_to_none=True)
-                finite, pass_loss = True, 0.0
-                for rows in batch.chunks(self.optim.micro_batch_size):
-                    micro = batch.select(rows)
-                    logp, entropy = self._logprobs(micro, with_entropy=iteration == 0)
-                    old = logp.detach() if old_logp is None else old_logp[rows]
-                    terms = LOSSES[alg.loss](logp, old, advantages[rows], micro.mask, alg.eps_low, alg.eps_high)
-                    per_token = terms.per_token
-                    if ref_logp is not None:
-                        kl = k3_kl(logp, ref_logp[rows])
-                        per_token = per_token + alg.beta * kl
-                        stats.add("kl", kl, micro.mask)
-                    loss = (per_token * weights[rows]).sum()
-                    if not torch.isfinite(loss):
-                        finite = False
-                        break
-                    loss.backward()
-                    pass_loss += loss.item()
-                    stats.add("clipfrac", terms.clipped.float(), micro.mask)
-                    stats.add("train/approx_kl", k3_kl(old, logp.detach()), micro.mask)
-                    if entropy is not None:
-                        stats.add("entropy", entropy, micro.mask)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim.max_grad_norm) if finite else None
-                if not finite or not torch.isfinite(grad_norm):
-                    self.optimizer.zero_grad(set_to_none=True)
+                grad_norm = self._pass(batch, advantages, weights, old_logp, ref_logp, stats, first=iteration == 0)
+                if grad_norm is None:
+                    self._restore(snapshot)
                     return {"alerts/nan_loss": 1.0, "train/skipped": 1.0}
-                stats.grad_norm = grad_norm.item()
-                stats.losses.append(pass_loss)
+                stats.grad_norm = grad_norm
                 self.optimizer.step()
         finally:
             self.policy.model.eval()
         return stats.metrics()
+
+    def _pass(self, batch, advantages, weights, old_logp, ref_logp, stats: _Stats, first: bool) -> float | None:
+        """One forward/backward over the batch in micro-batches; the gradient norm, or None if not finite."""
+        alg = self.algorithm
+        self.optimizer.zero_grad(set_to_none=True)
+        pass_loss = 0.0
+        for rows in batch.chunks(self.optim.micro_batch_size):
+            micro = batch.select(rows)
+            logp, entropy = self._logprobs(micro, with_entropy=first)
+            old = logp.detach() if old_logp is None else old_logp[rows]
+            terms = LOSSES[alg.loss](logp, old, advantages[rows], micro.mask, alg.eps_low, alg.eps_high)
+            per_token = terms.per_token
+            if ref_logp is not None:
+                kl = k3_kl(logp, ref_logp[rows])
+                if alg.beta > 0:
+                    per_token = per_token + alg.beta * kl
+                if first:
+                    stats.add("kl", kl, micro.mask)
+            loss = (per_token * weights[rows]).sum()
+            if not torch.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
+            loss.backward()
+            pass_loss += loss.item()
+            stats.add("clipfrac", terms.clipped.float(), micro.mask)
+            stats.add("train/approx_kl", k3_kl(old, logp.detach()), micro.mask)
+            if entropy is not None:
+                stats.add("entropy", entropy, micro.mask)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        stats.losses.append(pass_loss)
+        return grad_norm.item()
+
+    def _snapshot(self) -> dict:
+        return {"params": [p.detach().clone() for p in self.params],
+                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+
+    @torch.no_grad()
+    def _restore(self, snapshot: dict | None) -> None:
+        if snapshot is None:
+            return
+        for param, saved in zip(self.params, snapshot["params"]):
+            param.copy_(saved)
+        self.optimizer.load_state_dict(snapshot["optimizer"])
 
     @torch.no_grad()
     def _old_logprobs(self, batch: TokenBatch) -> torch.Tensor | None:
