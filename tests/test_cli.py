@@ -155,3 +155,20 @@ def test_config_reference_doc_is_current():
 
     doc = Path(__file__).resolve().parent.parent / "docs" / "config.md"
     assert doc.read_text() == config_reference() + "\n", "run: python scripts/gen_config_docs.py"
+
+
+def test_wandb_logging_offline(tmp_path, monkeypatch):
+    """With log.wandb_project set, metrics also reach W&B (offline mode: a local run folder, no network)."""
+    pytest.importorskip("wandb")
+    from grooves.training import load_config, run_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = load_config(tiny_config(tmp_path, steps=1))
+    config.log.wandb_project = "grooves-test"
+    run_config(config, out=tmp_path / "run", progress=False)
+    records = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(records) == 1
+    data = records[0].read_bytes()  # protobuf records: metric names are stored as plain strings
+    assert b"reward/total" in data and b"val/reward/total" in data and b"train/grad_norm" in data
