@@ -7,6 +7,7 @@ copy of the model is held in memory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from grooves.policy.checkpoints import checkpoint_base_spec, is_checkpoint_name, resolve_checkpoint
 from grooves.policy.lora import LoRA
 from grooves.policy.models import BUNDLED_DEFAULT, load_model
+from grooves.policy.tools import fallback_messages, template_supports_tools
 from grooves.types import Message
 
 
@@ -70,11 +72,25 @@ class Policy:
 
     # --- tokens ------------------------------------------------------------------
 
-    def chat_ids(self, messages: list[Message]) -> list[int]:
-        """Token ids of a chat prompt, ending with the assistant turn's header."""
+    def chat_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a chat prompt, ending with the assistant turn's header.
+
+        ``tools`` are OpenAI-style tool schemas. A template without tool support gets the
+        documented fallback rendering of ``grooves.policy.tools`` instead of silently
+        losing them.
+        """
+        if self.native_tools:
+            rendered, kwargs = messages, {"tools": tools} if tools else {}
+        else:
+            rendered, kwargs = fallback_messages(messages, tools), {}
         return list(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            rendered, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
         ))
+
+    @functools.cached_property
+    def native_tools(self) -> bool:
+        """Whether the chat template itself renders tools and tool calls."""
+        return template_supports_tools(self.tokenizer)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
