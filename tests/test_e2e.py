@@ -41,10 +41,17 @@ def test_short_run_on_the_bundled_model(bundled_policy, tmp_path):
                                        "--runs", str(runs), "--temperature", "0", "--max-tokens", "8"])
     assert sampled.exit_code == 0, sampled.output
     reloaded = gr.Policy.load("e2e@2", runs=runs)
-    ids = torch.tensor([reloaded.chat_ids([{"role": "user", "content": "hi"}])])
+    ids = reloaded.chat_ids([{"role": "user", "content": "hi"}])
     with torch.no_grad():
-        assert torch.allclose(reloaded.model(input_ids=ids).logits, bundled_policy.model(input_ids=ids).logits,
-                              atol=1e-4)
+        expected = bundled_policy.model(input_ids=torch.tensor([ids])).logits
+        assert torch.allclose(reloaded.model(input_ids=torch.tensor([ids])).logits, expected, atol=1e-4)
+
+    # merged into the base, it loads in plain transformers and gives the same logits
+    merged = CliRunner().invoke(app, ["merge", "e2e@2", "--out", str(tmp_path / "merged"), "--runs", str(runs)])
+    assert merged.exit_code == 0, merged.output
+    from test_export import plain_transformers_logits
+
+    assert torch.allclose(plain_transformers_logits(tmp_path / "merged", ids, tmp_path), expected, atol=1e-4)
 
 
 def test_public_api_names_stay_functions_after_submodule_imports():

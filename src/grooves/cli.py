@@ -133,6 +133,38 @@ def list_runs(runs: RunsOption = None) -> None:
 
 
 @app.command()
+def merge(
+    checkpoint: Annotated[str, typer.Argument(help="Checkpoint to merge: RUN@STEP or RUN@latest.")],
+    out_dir: Annotated[Path, typer.Option("--out", help="New folder for the merged model.")],
+    runs: RunsOption = None,
+) -> None:
+    """Merge a checkpoint's adapter into its base model: a plain transformers folder."""
+    from grooves.serve import ExportError, merge_checkpoint
+
+    try:
+        folder = merge_checkpoint(checkpoint, out_dir, runs=runs)
+    except (*_user_errors(), ExportError) as error:
+        raise _fail(str(error)) from None
+    out.print(f"merged {checkpoint} into {folder} (load it with AutoModelForCausalLM.from_pretrained)")
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[str, typer.Argument(help="Checkpoint to export: RUN@STEP or RUN@latest.")],
+    out_dir: Annotated[Path, typer.Option("--out", help="New folder for the PEFT adapter.")],
+    runs: RunsOption = None,
+) -> None:
+    """Write a checkpoint's adapter as a standard PEFT folder with a model card."""
+    from grooves.serve import ExportError, export_adapter
+
+    try:
+        folder = export_adapter(checkpoint, out_dir, runs=runs)
+    except (*_user_errors(), ExportError) as error:
+        raise _fail(str(error)) from None
+    out.print(f"exported {checkpoint} to {folder}")
+
+
+@app.command()
 def demo(
     steps: Annotated[int | None, typer.Option(help="Training steps (default: the demo config's).")] = None,
     runs: RunsOption = None,
