@@ -5,7 +5,7 @@ import torch
 
 from grooves.policy import Sampling
 from grooves.policy.logprobs import build_token_batch, completion_logprobs
-from grooves.policy.sampler import sample_from, top_p_filter
+from grooves.policy.decoding import sample_from, top_p_filter
 from grooves.types import Trajectory
 
 
@@ -96,7 +96,8 @@ def test_top_p_filter_and_sample_from():
     assert top_p_filter(probs, 0.8).tolist() == [[0.5, 0.3, 0.0, 0.0]]
     assert top_p_filter(probs, 0.81).tolist() == [[0.5, 0.3, 0.15, 0.0]]
     assert top_p_filter(probs, 0.1).tolist() == [[0.5, 0.0, 0.0, 0.0]]  # the top token always stays
-    draws = sample_from(torch.tensor([[0.0, 1.0, 0.0, 3.0]]).repeat(4000, 1), torch.Generator().manual_seed(0))
+    draws = sample_from(torch.tensor([[0.0, 1.0, 0.0, 3.0]]).repeat(4000, 1),
+                        torch.rand(4000, generator=torch.Generator().manual_seed(0)))
     counts = torch.bincount(draws, minlength=4).tolist()
     assert counts[0] == counts[2] == 0 and 850 < counts[1] < 1150
 

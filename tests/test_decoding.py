@@ -1,0 +1,89 @@
+"""The shared decode loop: per-row settings, constraints and adapters in one batch."""
+
+import tempfile
+
+import pytest
+import torch
+
+from grooves.policy import LoRA, Policy
+from grooves.policy.decoding import BASE_ADAPTER, Row, decode
+
+
+def alone(policy, row):
+    return decode(policy, [row])[0]
+
+
+def test_rows_with_different_settings_share_a_batch(tiny_policy):
+    prompt = tiny_policy.chat_ids([{"role": "user", "content": "hi"}])
+    greedy = Row(prompt, temperature=0, max_new_tokens=9)
+    seeded = Row(prompt, temperature=0.8, top_p=0.9, max_new_tokens=5, generator=torch.Generator().manual_seed(3))
+    other = Row([40, 41, 42], temperature=1.3, max_new_tokens=12, generator=torch.Generator().manual_seed(4))
+    together = decode(tiny_policy, [greedy, seeded, other])
+    for row, out in zip((greedy, seeded, other), together):
+        row.generator = row.generator and torch.Generator().manual_seed(row.generator.initial_seed())
+        assert out.token_ids == alone(tiny_policy, row).token_ids  # a row's own generator: batch-independent
+    assert [len(o.token_ids) for o in together] == [9, 5, 12]
+
+
+def test_top_logprobs(tiny_policy):
+    out = alone(tiny_policy, Row([5, 6, 7], temperature=0, max_new_tokens=4, top_logprobs=3))
+    assert len(out.top_logprobs) == 4
+    for chosen, logprob, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        assert len(top) == 3 and top[0] == (chosen, pytest.approx(logprob))  # greedy picks the most likely
+        assert top[0][1] >= top[1][1] >= top[2][1]
+
+
+class OnlyTokens:
+    """A constraint that allows a fixed sequence of token sets, then only the stop token."""
+
+    def __init__(self, steps, stop):
+        self.steps, self.stop, self.seen = steps, stop, []
+
+    def mask(self, logits):
+        allowed = self.steps[len(self.seen)] if len(self.seen) < len(self.steps) else {self.stop}
+        keep = torch.full_like(logits, float("-inf"))
+        keep[list(allowed)] = 0
+        logits += keep
+
+    def accept(self, token):
+        self.seen.append(token)
+
+    def is_terminated(self):
+        return len(self.seen) > len(self.steps)
+
+
+def test_a_constraint_masks_tokens_and_ends_the_row(tiny_policy):
+    stop = tiny_policy.tokenizer.eos_token_id
+    constraint = OnlyTokens([{50, 51}, {60}, {70, 71, 72}], stop)
+    row = Row([5, 6, 7], temperature=1.0, max_new_tokens=20, constraint=constraint,
+              generator=torch.Generator().manual_seed(0))
+    out = alone(tiny_policy, row)
+    assert out.token_ids[0] in {50, 51} and out.token_ids[1] == 60 and out.token_ids[2] in {70, 71, 72}
+    assert out.token_ids[3] == stop and out.finish_reason == "stop" and len(out.token_ids) == 4
+    assert constraint.seen == out.token_ids
+
+
+def test_mixed_adapters_in_one_batch_match_separate_runs():
+    from peft import PeftModel
+
+    folder = tempfile.mkdtemp()
+    for name, seed in (("a", 1), ("b", 2)):
+        trained = Policy.load("tiny", lora=LoRA(rank=2 + seed), seed=seed)
+        with torch.no_grad():
+            for param_name, param in trained.model.named_parameters():
+                if "lora_B" in param_name:
+                    param.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+        trained.save_adapter(f"{folder}/{name}")
+    policy = Policy.load("tiny")
+    policy.model = PeftModel.from_pretrained(policy.model, f"{folder}/a", adapter_name="a")
+    policy.model.load_adapter(f"{folder}/b", adapter_name="b")
+    prompt = [5, 6, 7, 8]
+    rows = [Row(prompt, temperature=0, max_new_tokens=8, adapter=name) for name in ("a", "b", BASE_ADAPTER)]
+    mixed = decode(policy, rows)
+    separate = [Policy.load("tiny", adapter=f"{folder}/a"), Policy.load("tiny", adapter=f"{folder}/b"),
+                Policy.load("tiny")]
+    for out, single in zip(mixed, separate):
+        expected = alone(single, Row(prompt, temperature=0, max_new_tokens=8))
+        assert out.token_ids == expected.token_ids
+        assert out.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+    assert mixed[0].token_ids != mixed[2].token_ids  # the adapters matter
