@@ -39,7 +39,7 @@ class OnlyTokens:
     def __init__(self, steps, stop):
         self.steps, self.stop, self.seen = steps, stop, []
 
-    def mask(self, logits):
+    def mask(self, logits, remaining):
         allowed = self.steps[len(self.seen)] if len(self.seen) < len(self.steps) else {self.stop}
         keep = torch.full_like(logits, float("-inf"))
         keep[list(allowed)] = 0

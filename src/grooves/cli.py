@@ -133,6 +133,42 @@ def list_runs(runs: RunsOption = None) -> None:
 
 
 @app.command()
+def serve(
+    model: Annotated[str, typer.Option(help="Base model spec served, with its adapters.")] = "bundled:smollm2-135m-instruct",
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="GROOVES_API_KEY",
+                                                help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
+    adapter: Annotated[list[str] | None, typer.Option(help="Serve a checkpoint under an alias: "
+                                                      "ALIAS=RUN@STEP (repeatable).")] = None,
+    max_batch: Annotated[int, typer.Option(min=1, help="Most samples decoded in one batch.")] = 32,
+    max_queue: Annotated[int, typer.Option(min=1, help="Queued requests before answering 429.")] = 64,
+    max_adapters: Annotated[int, typer.Option(min=1, help="Adapters kept loaded at once.")] = 8,
+    runs: RunsOption = None,
+) -> None:
+    """Serve the base model and the runs' checkpoints over an OpenAI-compatible HTTP API."""
+    import uvicorn
+
+    from grooves.serve.adapters import UnknownModel
+    from grooves.serve.app import build_server, create_app
+
+    aliases = {}
+    for item in adapter or []:
+        alias, sep, checkpoint = item.partition("=")
+        if not sep:
+            raise _fail(f"--adapter {item!r}: use ALIAS=RUN@STEP")
+        aliases[alias] = checkpoint
+    try:
+        server = build_server(model, runs=runs, api_key=api_key, aliases=aliases, max_batch_rows=max_batch,
+                              max_queue=max_queue, max_loaded=max_adapters)
+    except (*_user_errors(), UnknownModel, ValueError) as error:
+        raise _fail(str(error)) from None
+    err.print(f"[bold]grooves[/]: serving {model} and the checkpoints under {server.registry.runs} "
+              f"on http://{host}:{port}/v1")
+    uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
+
+
+@app.command()
 def merge(
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint to merge: RUN@STEP or RUN@latest.")],
     out_dir: Annotated[Path, typer.Option("--out", help="New folder for the merged model.")],

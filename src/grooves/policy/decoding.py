@@ -30,8 +30,8 @@ BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 class Constraint(Protocol):
     """Restricts which tokens a row may produce (see ``grooves.serve.grammar``)."""
 
-    def mask(self, logits: torch.Tensor) -> None:
-        """Set disallowed entries of a ``(V,)`` logits row to -inf, in place."""
+    def mask(self, logits: torch.Tensor, remaining: int) -> None:
+        """Set disallowed entries of a ``(V,)`` logits row to -inf, in place; ``remaining`` tokens are left."""
 
     def accept(self, token: int) -> None: ...
 
@@ -72,7 +72,8 @@ def decode(policy, rows: list[Row], on_token: TokenCallback | None = None) -> li
     outputs = [RowOutput("", [], [], "length") for _ in rows]
     stop_ids = policy.stop_token_ids
     for _ in range(max(r.max_new_tokens for r in rows)):
-        chosen, chosen_logprob, top = pick_tokens(logits, [rows[i] for i in active])
+        chosen, chosen_logprob, top = pick_tokens(logits, [rows[i] for i in active],
+                                                  [rows[i].max_new_tokens - len(outputs[i].token_ids) for i in active])
         keep = []
         for position, row_index in enumerate(active):
             row, out, token = rows[row_index], outputs[row_index], chosen[position]
@@ -112,7 +113,9 @@ class _Model:
     def __init__(self, policy, rows: list[Row]):
         self.policy = policy
         self.names = None
-        if any(r.adapter is not None for r in rows):
+        if not policy.has_adapter and any(r.adapter not in (None, BASE_ADAPTER) for r in rows):
+            raise ValueError("a row asks for an adapter but the model has none loaded")
+        if policy.has_adapter and any(r.adapter is not None for r in rows):
             active = getattr(policy.model, "active_adapter", BASE_ADAPTER)
             self.names = [r.adapter or active for r in rows]
 
@@ -149,7 +152,7 @@ def _prefill(model: _Model, device, rows: list[Row]):
     return cache, logits[index], attention[index], lengths  # next position of each row = its prompt length
 
 
-def pick_tokens(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[float], list]:
+def pick_tokens(logits: torch.Tensor, rows: list[Row], remaining: list[int]) -> tuple[list[int], list[float], list]:
     """One token per row, its logprob (before top-p and constraints) and the row's top logprobs."""
     logits = logits.float()  # (A, V)
     temperature = torch.tensor([r.temperature for r in rows], device=logits.device)
@@ -161,7 +164,7 @@ def pick_tokens(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[
         masked = scaled.clone()
         for i, row in enumerate(rows):
             if row.constraint is not None:
-                row.constraint.mask(masked[i])
+                row.constraint.mask(masked[i], remaining[i])
     probs = F.softmax(masked, dim=-1)
     top_p = torch.tensor([r.top_p if r.top_p < 1 else float("inf") for r in rows], device=logits.device)
     if bool(torch.isfinite(top_p).any()):  # rows without top-p keep every token
