@@ -27,10 +27,10 @@ _EXPORTS = {
     "run_config": "grooves.training",
 }
 
-__all__ = ["algorithms", *_EXPORTS]
+__all__ = ["algorithms", "training", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from grooves import algorithms
+    from grooves import algorithms, training
     from grooves.policy import LoRA, Policy, Sampling
     from grooves.rewards import Component, Reward
     from grooves.tasks import load_tasks
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    if name == "algorithms":
-        return importlib.import_module("grooves.algorithms")
+    if name in ("algorithms", "training"):
+        return importlib.import_module(f"grooves.{name}")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'grooves' has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """The training loop, its config, checkpoints and the run store."""
 
 from grooves.training.api import run_config, train
-from grooves.training.config import ConfigError, RunConfig, load_config
+from grooves.training.config import ConfigError, OptimConfig, RunConfig, load_config
 from grooves.training.loop import Run, RunExistsError
 from grooves.training.trainer import Trainer
 
-__all__ = ["ConfigError", "Run", "RunConfig", "RunExistsError", "Trainer", "load_config", "run_config", "train"]
+__all__ = ["ConfigError", "OptimConfig", "Run", "RunConfig", "RunExistsError", "Trainer", "load_config", "run_config", "train"]

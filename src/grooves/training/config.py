@@ -94,6 +94,8 @@ class TrainConfig(_Section):
                                        "(for rollouts made elsewhere); otherwise they are recomputed.")
     share_prompt: bool = Field(True, description="Run each group's shared prompt once in the training "
                                "forward (same numbers as the plain path, fewer tokens).")
+    max_staleness: int | None = Field(None, ge=0, description="Leave out (and count) trajectories sampled "
+                                      "more than this many updates ago (metadata policy_step); None = keep all.")
 
 
 class LogConfig(_Section):

@@ -74,7 +74,8 @@ class TrainingRun:
         self.trainer = Trainer(policy, config.algorithm, config.optim, temperature=s.temperature,
                                max_completion_length=s.max_completion_length, total_steps=config.steps,
                                use_sampler_logprobs=config.train.use_sampler_logprobs,
-                               share_prompt=config.train.share_prompt, kl_every=config.log.kl_every)
+                               share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
+                               max_staleness=config.train.max_staleness)
         self._prompt_lengths: dict[str, int] = {}
         self._reported_errors: set[str] = set()
         self.evaluations: dict[int, Evaluation] = {}

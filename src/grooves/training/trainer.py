@@ -23,6 +23,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -45,7 +46,8 @@ class Trainer:
 
     def __init__(self, policy: Policy, algorithm: Algorithm, optim: OptimConfig | None = None, *,
                  temperature: float = 1.0, max_completion_length: int = 64, total_steps: int = 1,
-                 use_sampler_logprobs: bool = False, share_prompt: bool = True, kl_every: int = 1):
+                 use_sampler_logprobs: bool = False, share_prompt: bool = True, kl_every: int = 1,
+                 max_staleness: int | None = None):
         if not policy.has_adapter:
             raise ValueError("training needs a LoRA adapter: Policy.load(spec, lora=LoRA(rank=8))")
         optim = optim or OptimConfig()
@@ -57,6 +59,7 @@ class Trainer:
         self.use_sampler_logprobs = use_sampler_logprobs
         self.share_prompt = share_prompt
         self.kl_every = kl_every
+        self.max_staleness = max_staleness
         self.params = policy.trainable_parameters()
         self.total_steps = total_steps
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.learning_rate, betas=optim.betas,
@@ -72,7 +75,9 @@ class Trainer:
                                                   self.optim.lr_schedule)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
+        groups, stale = drop_stale(groups, self.step, self.max_staleness)
         prepared = prepare_batch(groups, self.algorithm, self.max_completion_length)
+        prepared.metrics["train/trajectories_stale"] = float(stale)
         metrics = {**prepared.metrics, "train/lr": lr}
         no_signal = self.algorithm.beta == 0 and not bool((prepared.advantages != 0).any())
         if not prepared.trajectories or no_signal:  # nothing to learn: AdamW momentum must not move the adapter
@@ -89,6 +94,14 @@ class Trainer:
         metrics.update({"train/step_time": elapsed, "train/update_tokens_per_s": tokens / elapsed})
         self.step += 1
         return metrics
+
+    def save(self, run_dir: str | Path) -> Path:
+        """Write a checkpoint of the current step into ``run_dir`` (servable as ``RUN@STEP``)."""
+        from grooves.training.checkpoint import save_checkpoint
+
+        generator = torch.Generator(device=self.policy.device)
+        return save_checkpoint(Path(run_dir), self.step, self.policy, self.state_dict(), generator,
+                               {"tasks": {"epoch": 0, "index": 0}, "run": Path(run_dir).name})
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "step": self.step}
@@ -196,6 +209,18 @@ class Trainer:
         checkpointing = getattr(lm, "is_activation_checkpointing", False)
         forward = shared_prompt_logprobs if self.share_prompt and not checkpointing else completion_logprobs
         return forward(lm, micro, self.temperature, with_entropy)
+
+
+def drop_stale(groups: list[Group], step: int, max_staleness: int | None) -> tuple[list[Group], int]:
+    """Leave out trajectories sampled more than ``max_staleness`` updates ago (``metadata["policy_step"]``)."""
+    if max_staleness is None:
+        return groups, 0
+    kept, dropped = [], 0
+    for group in groups:
+        fresh = [t for t in group.trajectories if step - t.metadata.get("policy_step", step) <= max_staleness]
+        dropped += len(group.trajectories) - len(fresh)
+        kept.append(Group(group.task, fresh, group.metadata))
+    return kept, dropped
 
 
 def prepare_batch(groups: list[Group], alg: Algorithm, max_completion_length: int) -> PreparedBatch:
