@@ -29,7 +29,9 @@ RunsOption = Annotated[Path | None, typer.Option("--runs", envvar="GROOVES_RUNS"
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    err.print(f"[bold red]error[/]: {message}", highlight=False)
+    from rich.markup import escape
+
+    err.print(f"[bold red]error[/]: {escape(message)}", highlight=False)  # "[tasks]" is text, not markup
     return typer.Exit(code)
 
 

@@ -14,6 +14,7 @@ from grooves.rewards.compose import Component, Reward, as_reward, import_object
 from grooves.tasks.sources import load_tasks, split_tasks
 from grooves.training.config import ConfigError, RewardConfig, RunConfig, TasksConfig, parse_config
 from grooves.training.loop import Run, TrainingRun
+from grooves.training.tasksets import TaskSet
 from grooves.types import Task
 
 
@@ -60,16 +61,23 @@ def load_policy(config: RunConfig, runs: str | Path | None = None) -> Policy:
     return policy
 
 
+def task_sets(config: RunConfig) -> list[TaskSet]:
+    """The run's task sets: one from [tasks] and [reward], or one per [[mix]] table."""
+    entries = [(m.name, m.tasks, m.reward, m.weight) for m in config.mix] or [("", config.tasks, config.reward, 1.0)]
+    sets = []
+    for name, tasks, reward, weight in entries:
+        train, heldout = task_splits(tasks.source, tasks.heldout, tasks.heldout_fraction, config.seed)
+        sets.append(TaskSet(name, train, heldout, build_reward(reward), tasks.prompt_template, tasks.system, weight))
+    return sets
+
+
 def run_config(config: RunConfig, *, runs: str | Path | None = None, out: str | Path | None = None,
                resume: bool = False, progress: bool = True) -> Run:
     """Run (or resume) the training described by a config, as ``grooves train`` does."""
-    reward = build_reward(config.reward)
-    t = config.tasks
-    train_tasks, heldout = task_splits(t.source, t.heldout, t.heldout_fraction, config.seed)
+    sets = task_sets(config)
     policy = load_policy(config, runs)
     run_dir = Path(out) if out else runs_root(runs) / config.name
-    return TrainingRun(config, policy, reward, train_tasks, heldout, run_dir, resume=resume,
-                       progress=progress).run()
+    return TrainingRun(config, policy, sets, run_dir, resume=resume, progress=progress).run()
 
 
 def train(
@@ -110,8 +118,9 @@ def train(
     config = RunConfig.model_validate({**base.model_dump(), **{k: v for k, v in updates.items()}})
     t = config.tasks
     train_tasks, heldout_tasks = task_splits(tasks, heldout, t.heldout_fraction, config.seed)
-    return TrainingRun(config, policy, reward, train_tasks, heldout_tasks, runs_root(runs) / config.name,
-                       resume=resume, progress=progress).run()
+    sets = [TaskSet("", train_tasks, heldout_tasks, reward, t.prompt_template, t.system)]
+    return TrainingRun(config, policy, sets, runs_root(runs) / config.name, resume=resume,
+                       progress=progress).run()
 
 
 def _describe(source: Any) -> str:

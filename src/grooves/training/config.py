@@ -8,6 +8,7 @@ generated from these descriptions.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from types import UnionType
@@ -66,6 +67,22 @@ class RewardConfig(_Section):
         return self
 
 
+class MixConfig(_Section):
+    """One task set of a multi-task run: its tasks, its reward and its share of the batches."""
+
+    name: str = Field(description="Short name; metrics go under task/<name>/.")
+    weight: float = Field(1.0, gt=0, description="Relative share of the tasks drawn from this set.")
+    tasks: TasksConfig = Field(description="Where this set's tasks come from (as [tasks]).")
+    reward: RewardConfig = Field(description="How this set's completions are scored (as [reward]).")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,40}", value):
+            raise ValueError("must be 1-40 letters, digits, '_' or '-'")
+        return value
+
+
 class SamplingConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for training rollouts (> 0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
@@ -119,6 +136,9 @@ class RunConfig(_Section):
     lora: LoRA = Field(default_factory=LoRA)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     reward: RewardConfig = Field(default_factory=lambda: RewardConfig(builtin="titles"))
+    mix: list[MixConfig] = Field(default_factory=list, description="Several task sets for one adapter, "
+                                 "each with its own reward and weight ([[mix]] tables); replaces [tasks] and "
+                                 "[reward].")
     algorithm: Algorithm = Field(default_factory=lambda: PRESETS["grpo"]())
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -131,6 +151,15 @@ class RunConfig(_Section):
         if not value or "/" in value or "\\" in value or "@" in value or value in {".", ".."}:
             raise ValueError("must be a plain folder name without '/', '\\' or '@'")
         return value
+
+    @model_validator(mode="after")
+    def _mix_or_single(self) -> RunConfig:
+        if self.mix and {"tasks", "reward"} & self.model_fields_set:
+            raise ValueError("give either [tasks] and [reward], or [[mix]] task sets, not both")
+        names = [m.name for m in self.mix]
+        if len(set(names)) != len(names):
+            raise ValueError(f"[[mix]] names must be unique: {names}")
+        return self
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -193,6 +222,8 @@ def config_reference() -> str:
         (f"[{name}]", field.annotation, getattr(base, name)) for name, field in RunConfig.model_fields.items()
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)]
     sections.append(("[[reward.components]] (one table per component)", RewardComponentConfig, None))
+    sections.append(("[[mix]] (one table per task set; with [mix.tasks] and [mix.reward] as above)",
+                     MixConfig, None))
     for title, model, defaults in sections:
         lines += [f"## {title}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for name, field in model.model_fields.items():

@@ -8,7 +8,9 @@ that never stopped (same seed and config; on CPU the adapters match within 1e-5)
 
 from __future__ import annotations
 
+import math
 import signal
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,19 +20,21 @@ import torch
 from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from grooves.algorithms import has_signal
 from grooves.policy.policy import Policy
 from grooves.policy.sampler import Sampling
-from grooves.rewards.compose import Reward, RewardReport
-from grooves.tasks.sources import TaskSourceError, TaskStream, render_prompt
+from grooves.rewards.compose import RewardReport
+from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
 from grooves.training.config import RunConfig, dump_config
 from grooves.training.rollout import Evaluation, completion_stats, evaluate, reward_metrics, rollout_groups
 from grooves.training.sinks import MetricSinks
 from grooves.training.store import RunStore
+from grooves.training.tasksets import TaskMix, TaskSet
 from grooves.training.trainer import Trainer
-from grooves.types import Group, Message, Task
+from grooves.types import Group, Task
 
 
 class RunExistsError(RuntimeError):
@@ -53,13 +57,12 @@ class Run:
 
 
 class TrainingRun:
-    def __init__(self, config: RunConfig, policy: Policy, reward: Reward, train_tasks: list[Task],
-                 heldout_tasks: list[Task], run_dir: Path, *, resume: bool = False, progress: bool = True,
-                 console: Console | None = None):
+    def __init__(self, config: RunConfig, policy: Policy, task_sets: list[TaskSet], run_dir: Path, *,
+                 resume: bool = False, progress: bool = True, console: Console | None = None):
         self.config = config
         self.policy = policy
-        self.reward = reward
-        self.heldout = heldout_tasks[: config.log.val_size]
+        self.sets = task_sets
+        self.heldout = {s.name: s.heldout[: config.log.val_size] for s in task_sets}
         self.run_dir = Path(run_dir)
         self.resume = resume
         self.show_progress = progress
@@ -69,15 +72,15 @@ class TrainingRun:
                                  max_new_tokens=s.max_completion_length, stop=tuple(s.stop))
         self.val_sampling = Sampling(temperature=s.val_temperature, top_p=s.top_p,
                                      max_new_tokens=s.max_completion_length, stop=tuple(s.stop), seed=config.seed)
-        self.stream = TaskStream(train_tasks, seed=config.seed)
+        self.mix = TaskMix(task_sets, seed=config.seed)
         self.generator = torch.Generator(device=policy.device).manual_seed(config.seed)
         self.trainer = Trainer(policy, config.algorithm, config.optim, temperature=s.temperature,
                                max_completion_length=s.max_completion_length, total_steps=config.steps,
                                use_sampler_logprobs=config.train.use_sampler_logprobs,
                                share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
                                max_staleness=config.train.max_staleness)
-        self._prompt_lengths: dict[str, int] = {}
-        self._reported_errors: set[str] = set()
+        self._prompt_lengths: dict[tuple[str, str], int] = {}
+        self._reported_errors: set[tuple[str, str]] = set()
         self.evaluations: dict[int, Evaluation] = {}
 
     # --- the loop --------------------------------------------------------------------
@@ -86,7 +89,7 @@ class TrainingRun:
         start = self._open()
         step = start
         try:
-            if start == 0 and self.heldout:
+            if start == 0 and self._has_heldout:
                 self._log(0, self._validate(0))
             with self._progress() as progress, GracefulStop(self.console) as stop:
                 bar = progress.add_task("train", total=self.config.steps, completed=start, reward="-")
@@ -107,9 +110,9 @@ class TrainingRun:
 
     def _step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        kept, sampled, report, rounds = self._collect()
+        kept, sampled, reports, rounds = self._collect()
         sample_time = time.perf_counter() - t0
-        metrics = reward_metrics(sampled, self.reward, report)
+        metrics = self._reward_metrics(sampled, reports, "reward")
         metrics["completion_len"], metrics["train/truncated_ratio"] = completion_stats(sampled)
         metrics["frac_reward_zero_std"] = sum(not has_signal(_rewards(g)) for g in sampled) / len(sampled)
         metrics["train/sampling_rounds"] = float(rounds)
@@ -119,69 +122,97 @@ class TrainingRun:
         metrics["train/tokens_per_s"] = tokens / sample_time
         metrics.update(self.trainer.train_step(kept))
         self.store.record_groups(step, sampled)
-        self._report_reward_errors(step, report)
+        for name, report in reports.items():
+            self._report_reward_errors(step, name, report)
         if metrics.get("alerts/nan_loss"):
             self._alert(step, "nan_loss", "Loss or gradient was not finite: the step was skipped and the "
                         "adapter left unchanged.", {"reward/total": metrics.get("reward/total")})
-        if self.heldout and (step % self.config.log.val_every == 0 or step == self.config.steps):
+        if self._has_heldout and (step % self.config.log.val_every == 0 or step == self.config.steps):
             metrics.update(self._validate(step))
         metrics["train/total_step_time"] = time.perf_counter() - t0
         return metrics
 
-    def _collect(self) -> tuple[list[Group], list[Group], RewardReport, int]:
+    def _collect(self) -> tuple[list[Group], list[Group], dict[str, RewardReport], int]:
         """Sample and score groups; with dynamic sampling keep only groups with reward variance."""
         alg = self.config.algorithm
         target = self.config.train.tasks_per_step
         kept: list[Group] = []
         sampled: list[Group] = []
-        report = RewardReport()
+        reports = {s.name: RewardReport() for s in self.sets}
         rounds = 0
         while True:
             rounds += 1
-            tasks = self._take_tasks(target - len(kept) if alg.dynamic_sampling else target)
-            prompts = [self._render(t) for t in tasks]
-            groups = rollout_groups(self.policy, tasks, prompts, self.config.train.group_size,
-                                    self.sampling, self.generator, self.trainer.step)
-            self.reward.score(groups, report)
+            drawn = self._take_tasks(target - len(kept) if alg.dynamic_sampling else target)
+            groups = rollout_groups(self.policy, [t for _, t in drawn], [s.render(t) for s, t in drawn],
+                                    self.config.train.group_size, self.sampling, self.generator, self.trainer.step)
+            for (task_set, _), group in zip(drawn, groups):
+                group.metadata["task_set"] = task_set.name
+            for task_set in self.sets:
+                task_set.reward.score([g for g in groups if g.metadata["task_set"] == task_set.name],
+                                      reports[task_set.name])
             sampled.extend(groups)
             if not alg.dynamic_sampling:
-                return groups, sampled, report, rounds
+                return groups, sampled, reports, rounds
             kept.extend(g for g in groups if has_signal(_rewards(g)))
             if len(kept) >= target or rounds >= alg.max_sampling_rounds:
-                return kept, sampled, report, rounds
+                return kept, sampled, reports, rounds
 
-    def _take_tasks(self, count: int) -> list[Task]:
-        """Next tasks from the stream, skipping (and counting) prompts over max_prompt_length."""
-        out: list[Task] = []
+    def _reward_metrics(self, groups: list[Group], reports: dict[str, RewardReport], prefix: str) -> dict:
+        """Reward metrics of a single set as they are; of a mix, per set plus the overall total."""
+        if len(self.sets) == 1:
+            return reward_metrics(groups, self.sets[0].reward, reports[self.sets[0].name], prefix)
+        totals = [t.reward for g in groups for t in g.trajectories if t.reward == t.reward]
+        metrics = {f"{prefix}/total": statistics.fmean(totals) if totals else math.nan}
+        for task_set in self.sets:
+            own = [g for g in groups if g.metadata.get("task_set") == task_set.name]
+            if own:
+                metrics.update(reward_metrics(own, task_set.reward, reports[task_set.name],
+                                              task_set.prefix(prefix)))
+        return metrics
+
+    def _take_tasks(self, count: int) -> list[tuple[TaskSet, Task]]:
+        """Next tasks from the mix, skipping (and counting) prompts over max_prompt_length."""
+        out: list[tuple[TaskSet, Task]] = []
         skipped_in_a_row = 0
         while len(out) < count:
-            task = self.stream.take(1)[0]
-            if self._prompt_length(task) <= self.config.sampling.max_prompt_length:
-                out.append(task)
+            task_set, task = self.mix.take()
+            if self._prompt_length(task_set, task) <= self.config.sampling.max_prompt_length:
+                out.append((task_set, task))
                 skipped_in_a_row = 0
                 continue
             self.prompts_skipped += 1
             skipped_in_a_row += 1
-            if skipped_in_a_row > len(self.stream.tasks):
+            if skipped_in_a_row > sum(len(s.train) for s in self.sets) * 4:
                 raise TaskSourceError(f"every task's prompt is longer than sampling.max_prompt_length="
                                       f"{self.config.sampling.max_prompt_length} tokens")
         return out
 
-    def _prompt_length(self, task: Task) -> int:
-        key = task["id"]
+    def _prompt_length(self, task_set: TaskSet, task: Task) -> int:
+        key = (task_set.name, task["id"])
         if key not in self._prompt_lengths:
-            self._prompt_lengths[key] = len(self.policy.chat_ids(self._render(task)))
+            self._prompt_lengths[key] = len(self.policy.chat_ids(task_set.render(task)))
         return self._prompt_lengths[key]
 
-    def _render(self, task: Task) -> list[Message]:
-        return render_prompt(task, self.config.tasks.prompt_template, self.config.tasks.system)
+    @property
+    def _has_heldout(self) -> bool:
+        return any(self.heldout.values())
 
     def _validate(self, step: int) -> dict[str, float]:
-        prompts = [self._render(t) for t in self.heldout]
-        evaluation = evaluate(self.policy, self.heldout, prompts, self.reward, self.val_sampling, step)
-        self.evaluations[step] = evaluation
-        self.store.record_groups(step, evaluation.groups, split="val")
-        return evaluation.metrics
+        groups, reports = [], {}
+        for task_set in self.sets:
+            tasks = self.heldout[task_set.name]
+            if tasks:
+                evaluation = evaluate(self.policy, tasks, [task_set.render(t) for t in tasks], task_set.reward,
+                                      self.val_sampling, step)
+                for group in evaluation.groups:
+                    group.metadata["task_set"] = task_set.name
+                groups += evaluation.groups
+                reports[task_set.name] = evaluation.report
+        metrics = self._reward_metrics(groups, reports, "val/reward")
+        metrics["val/completion_len"], metrics["val/truncated_ratio"] = completion_stats(groups)
+        self.evaluations[step] = Evaluation(groups, metrics)
+        self.store.record_groups(step, groups, split="val")
+        return metrics
 
     # --- run folder, checkpoints, logging ------------------------------------------------
 
@@ -200,7 +231,7 @@ class TrainingRun:
         if latest is not None:
             trainer_state, state = ckpt.load_checkpoint(latest, self.policy, self.generator)
             self.trainer.load_state_dict(trainer_state)
-            self.stream.restore(state["tasks"])
+            self.mix.restore(state["tasks"])
             self.prompts_skipped = state.get("prompts_skipped", 0)
             start = state["step"]
             self.store.truncate_after(start)
@@ -218,7 +249,7 @@ class TrainingRun:
 
     def _save(self, step: int) -> None:
         ckpt.save_checkpoint(self.run_dir, step, self.policy, self.trainer.state_dict(), self.generator,
-                             {"tasks": self.stream.state(), "prompts_skipped": self.prompts_skipped,
+                             {"tasks": self.mix.state(), "prompts_skipped": self.prompts_skipped,
                               "run": self.run_dir.name})
         ckpt.prune(self.run_dir, self.config.log.keep_checkpoints)
 
@@ -229,19 +260,19 @@ class TrainingRun:
 
     def _alert(self, step: int, detector: str, message: str, evidence: dict) -> None:
         self.store.record_alert(step, detector, "warn", message, evidence)
-        self.console.print(Panel(message, title=f"alert: {detector} (step {step})", border_style="red"))
+        self.console.print(Panel(Text(message), title=f"alert: {detector} (step {step})", border_style="red"))
 
-    def _report_reward_errors(self, step: int, report: RewardReport) -> None:
+    def _report_reward_errors(self, step: int, task_set: str, report: RewardReport) -> None:
         """Show the first failure of each reward component once; later ones only count in metrics."""
         for name, errors in report.errors.items():
-            if name in self._reported_errors:
+            if (task_set, name) in self._reported_errors:
                 continue
-            self._reported_errors.add(name)
+            self._reported_errors.add((task_set, name))
             self._alert(step, "reward_error",
                         f"reward component {name!r} failed on {errors} of {report.calls[name]} trajectories "
                         f"(they get NaN, not 0, and leave the advantage if required). First error: "
                         f"{report.first_error[name]}",
-                        {"component": name, "errors": errors, "calls": report.calls[name],
+                        {"component": name, "task_set": task_set, "errors": errors, "calls": report.calls[name],
                          "first_error": report.first_error[name]})
 
     def _progress(self) -> Progress:

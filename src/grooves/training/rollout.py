@@ -65,6 +65,7 @@ class Evaluation:
 
     groups: list[Group]
     metrics: dict[str, float]
+    report: RewardReport | None = None
 
     @property
     def rewards(self) -> list[float]:
@@ -80,4 +81,4 @@ def evaluate(policy: Policy, tasks: list[Task], prompts: list[list[Message]], re
     report = reward.score(groups)
     metrics = reward_metrics(groups, reward, report, prefix="val/reward")
     metrics["val/completion_len"], metrics["val/truncated_ratio"] = completion_stats(groups)
-    return Evaluation(groups, metrics)
+    return Evaluation(groups, metrics, report)

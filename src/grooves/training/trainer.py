@@ -101,7 +101,7 @@ class Trainer:
 
         generator = torch.Generator(device=self.policy.device)
         return save_checkpoint(Path(run_dir), self.step, self.policy, self.state_dict(), generator,
-                               {"tasks": {"epoch": 0, "index": 0}, "run": Path(run_dir).name})
+                               {"tasks": {"draws": 0, "streams": []}, "run": Path(run_dir).name})
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "step": self.step}

@@ -1,0 +1,69 @@
+"""Task sets: what a run trains on, one set or a weighted mix of several.
+
+A ``TaskSet`` bundles tasks, held-out tasks, prompt rendering and the reward that scores
+them. A run with several sets (``[[mix]]`` in the config) trains one adapter on all of
+them: ``TaskMix`` draws each task's set by weight, in an order fixed by the seed and the
+draw number, so a resumed run draws the same sequence. Metrics of a mixed run are
+reported per set under ``task/<name>/...`` besides the overall ``reward/total``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from grooves.rewards.compose import Reward
+from grooves.tasks.sources import TaskStream, render_prompt
+from grooves.types import Message, Task
+
+
+@dataclass
+class TaskSet:
+    name: str  # "" for a run with a single set
+    train: list[Task]
+    heldout: list[Task]
+    reward: Reward
+    prompt_template: str | None = None
+    system: str | None = None
+    weight: float = 1.0
+
+    def render(self, task: Task) -> list[Message]:
+        return render_prompt(task, self.prompt_template, self.system)
+
+    def prefix(self, metric: str) -> str:
+        """Where a set's metric goes: unchanged for a single set, under task/<name>/ in a mix."""
+        if not self.name:
+            return metric
+        head, sep, rest = metric.partition("/")
+        return f"{head}/task/{self.name}/{rest}" if head == "val" and sep else f"task/{self.name}/{metric}"
+
+
+class TaskMix:
+    """Tasks from several sets, each set chosen by weight; the position is checkpointed."""
+
+    def __init__(self, sets: list[TaskSet], seed: int = 0):
+        if not sets:
+            raise ValueError("a run needs at least one task set")
+        self.sets = sets
+        self.seed = seed
+        self.streams = [TaskStream(s.train, seed=seed) for s in sets]
+        self.weights = [s.weight for s in sets]
+        self.draws = 0
+
+    def take(self) -> tuple[TaskSet, Task]:
+        index = 0
+        if len(self.sets) > 1:
+            point = random.Random(f"{self.seed}:mix:{self.draws}").random() * sum(self.weights)
+            while point >= self.weights[index] and index < len(self.sets) - 1:
+                point -= self.weights[index]
+                index += 1
+        self.draws += 1
+        return self.sets[index], self.streams[index].take(1)[0]
+
+    def state(self) -> dict:
+        return {"draws": self.draws, "streams": [s.state() for s in self.streams]}
+
+    def restore(self, state: dict) -> None:
+        self.draws = state["draws"]
+        for stream, saved in zip(self.streams, state["streams"]):
+            stream.restore(saved)
