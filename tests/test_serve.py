@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -163,31 +164,26 @@ def test_latest_follows_a_run_that_keeps_training(server, client, runs, tmp_path
     assert after.model_extra["grooves"]["adapter_step"] == step + 1
 
 
-def concurrently(served, calls, window):
-    """Run the calls on threads while the engine waits ``window`` seconds to gather a batch."""
-    served.engine.batch_window_s = window
-    threads = [threading.Thread(target=call) for call in calls]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        served.engine.batch_window_s = 0.005
-
-
 def test_requests_are_batched_across_adapters(server, client):
     served = server[0]
     results = {}
 
     def call(name, seed):
-        return lambda: results.setdefault((name, seed), ask(client, name, seed=seed, max_tokens=6)
-                                          .choices[0].message.content)
+        results[(name, seed)] = ask(client, name, seed=seed, max_tokens=6).choices[0].message.content
 
+    release = threading.Event()
+    served.engine.control(release.wait)  # park the worker until all four requests are queued
+    threads = [threading.Thread(target=call, args=(name, seed)) for name in ("tiny", "echo") for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while served.engine.queue.qsize() < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
     batches = served.engine.batches
-    concurrently(served, [call(name, seed) for name in ("tiny", "echo") for seed in (1, 2)], window=0.3)
-    assert len(results) == 4
-    assert served.engine.batches - batches < 4  # base and adapter requests shared batches
+    release.set()
+    for t in threads:
+        t.join()
+    assert len(results) == 4 and served.engine.batches - batches == 1  # base and adapter rows in one batch
     # a seeded sample is the same whatever shares its batch
     assert results[("tiny", 1)] == ask(client, seed=1, max_tokens=6).choices[0].message.content
     assert results[("echo", 1)] == ask(client, "echo", seed=1, max_tokens=6).choices[0].message.content
@@ -215,12 +211,21 @@ def test_a_burst_beyond_the_queue_gets_429_with_retry_after(server):
 
     def call():
         response = httpx.post(f"{url}/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30})
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
         statuses.append((response.status_code, response.headers.get("retry-after")))
 
-    concurrently(served, [call] * 24, window=0.5)  # a slow worker lets the queue (4) fill
-    assert (429, "1") in statuses and any(code == 200 for code, _ in statuses)
-    assert {code for code, _ in statuses} <= {200, 429}
+    release = threading.Event()
+    served.engine.control(release.wait)  # the worker is busy until released: the queue (4) fills
+    threads = [threading.Thread(target=call) for _ in range(12)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(statuses) < 8 and time.monotonic() < deadline:  # 12 requests, 4 queue places
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join()
+    assert sorted(statuses) == [(200, None)] * 4 + [(429, "1")] * 8
 
 
 def test_api_key(runs):

@@ -49,6 +49,7 @@ class Row:
     adapter: str | None = None  # a PEFT adapter name, BASE_ADAPTER, or None for the model as it is
     constraint: Constraint | None = None
     top_logprobs: int = 0
+    ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
 
 
 @dataclass
@@ -85,7 +86,7 @@ def decode(policy, rows: list[Row], on_token: TokenCallback | None = None) -> li
                 row.constraint.accept(token)
             if on_token is not None:
                 on_token(row_index, token, chosen_logprob[position])
-            if (token in stop_ids or _hits_stop_string(policy, out.token_ids, row.stop)
+            if ((token in stop_ids and not row.ignore_eos) or _hits_stop_string(policy, out.token_ids, row.stop)
                     or (row.constraint is not None and row.constraint.is_terminated())):
                 out.finish_reason = "stop"
             elif len(out.token_ids) < row.max_new_tokens:
@@ -108,7 +109,12 @@ def decode(policy, rows: list[Row], on_token: TokenCallback | None = None) -> li
 
 
 class _Model:
-    """Calls the model with the rows' adapters: directly when no row names one, else as a PEFT mixed batch."""
+    """Calls the model with the rows' adapters.
+
+    When every row uses the same adapter (or none), the model runs plainly with that adapter
+    switched on (or all switched off); PEFT's mixed-batch path, which splits every layer's
+    input by adapter, is used only for batches that really mix adapters.
+    """
 
     def __init__(self, policy, rows: list[Row]):
         self.policy = policy
@@ -116,13 +122,21 @@ class _Model:
         if not policy.has_adapter and any(r.adapter not in (None, BASE_ADAPTER) for r in rows):
             raise ValueError("a row asks for an adapter but the model has none loaded")
         if policy.has_adapter and any(r.adapter is not None for r in rows):
-            active = getattr(policy.model, "active_adapter", BASE_ADAPTER)
+            active = policy.model.active_adapter
             self.names = [r.adapter or active for r in rows]
 
     def __call__(self, active: list[int], **kwargs):
         if self.names is None:
             return self.policy.causal_lm(**kwargs)
-        return self.policy.model(adapter_names=[self.names[i] for i in active], **kwargs)
+        names = [self.names[i] for i in active]
+        if len(set(names)) > 1:
+            return self.policy.model(adapter_names=names, **kwargs)
+        if names[0] == BASE_ADAPTER:
+            with self.policy.model.disable_adapter():
+                return self.policy.causal_lm(**kwargs)
+        if self.policy.model.active_adapter != names[0]:
+            self.policy.model.set_adapter(names[0])
+        return self.policy.causal_lm(**kwargs)
 
 
 def _prefill(model: _Model, device, rows: list[Row]):

@@ -159,7 +159,8 @@ async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[Generat
     generation = GenerationRequest(
         model=body.model, prompt_ids=prompt_ids, deliver=lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
         n=body.n, temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens, stop=body.stop_list,
-        seed=body.seed, top_logprobs=body.top_logprobs or 0, constraint=constraint, stream=body.stream)
+        seed=body.seed, top_logprobs=body.top_logprobs or 0, constraint=constraint, stream=body.stream,
+        ignore_eos=body.ignore_eos)
     return generation, events
 
 

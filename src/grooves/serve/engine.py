@@ -63,6 +63,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     constraint: Callable[[], Constraint] | None = None  # a fresh constraint for each sample
     stream: bool = False
+    ignore_eos: bool = False
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -161,7 +162,8 @@ class Engine:
                     generator = torch.Generator(device=self.policy.device).manual_seed(request.seed + index)
                 rows.append(Row(request.prompt_ids, request.temperature, request.top_p, request.max_tokens,
                                 request.stop, generator, adapter,
-                                request.constraint() if request.constraint else None, request.top_logprobs))
+                                request.constraint() if request.constraint else None, request.top_logprobs,
+                                request.ignore_eos))
                 owners.append((request, index))
         if not rows:
             return

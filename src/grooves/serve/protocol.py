@@ -1,10 +1,11 @@
-"""The OpenAI chat-completions request and response shapes, and grooves' one extension.
+"""The OpenAI chat-completions request and response shapes, and grooves' extensions.
 
-Extension: with ``"return_token_ids": true`` in the request (``extra_body`` in the openai
-client) the response carries ``grooves.prompt_token_ids`` and ``grooves.adapter_step`` at the
+Extensions (``extra_body`` in the openai client): with ``"return_token_ids": true`` the
+response carries ``grooves.prompt_token_ids`` and ``grooves.adapter_step`` at the
 top level and ``grooves.completion_token_ids`` / ``grooves.completion_logprobs`` in each
 choice: the exact ids the model saw and produced, so a trajectory is rebuilt without
-re-tokenising. Logprobs are those of the sampling distribution (logits / temperature,
+re-tokenising. ``"ignore_eos": true`` makes every sample exactly ``max_tokens`` long (for
+benchmarks). Logprobs are those of the sampling distribution (logits / temperature,
 before top-p and constraints), as the trainer computes them.
 """
 
@@ -55,6 +56,7 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     return_token_ids: bool = False
+    ignore_eos: bool = False  # grooves extension: always generate max_tokens (for benchmarks)
 
     @field_validator("messages")
     @classmethod
