@@ -141,17 +141,20 @@ def test_adapters_by_name_alias_and_runtime_changes(server, client, runs):
     expected = local.sampler().generate(["hello"], sampling=Sampling(temperature=0, max_new_tokens=10))[0][0]
     assert by_step.choices[0].message.content == expected.text
 
-    http = httpx.Client(base_url=server[1])
-    added = http.post("/adapters", json={"name": "prod", "checkpoint": "tiny-run@latest"})
-    assert added.status_code == 200 and added.json()["step"] == 2
+    # the adapter routes, through the openai client's generic post/delete
+    added = client.post("/adapters", body={"name": "prod", "checkpoint": "tiny-run@latest"}, cast_to=object)
+    assert added["step"] == 2
     assert ask(client, "prod", temperature=0, max_tokens=10).choices[0].message.content == expected.text
     for bad in ("../etc", "a/b", ""):
-        assert http.post("/adapters", json={"name": bad, "checkpoint": "tiny-run@2"}).status_code in (400, 404)
-    assert http.post("/adapters", json={"name": "x", "checkpoint": "../../etc@1"}).status_code in (400, 404)
-    assert http.delete("/adapters/prod").status_code == 200
+        with pytest.raises(openai.BadRequestError):
+            client.post("/adapters", body={"name": bad, "checkpoint": "tiny-run@2"}, cast_to=object)
+    with pytest.raises((openai.BadRequestError, openai.NotFoundError)):
+        client.post("/adapters", body={"name": "x", "checkpoint": "../../etc@1"}, cast_to=object)
+    assert client.delete("/adapters/prod", cast_to=object)["deleted"] is True
     with pytest.raises(openai.NotFoundError):
         ask(client, "prod")
-    assert http.delete("/adapters/nothing-here").status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.delete("/adapters/nothing-here", cast_to=object)
 
 
 def test_latest_follows_a_run_that_keeps_training(server, client, runs, tmp_path):
@@ -201,18 +204,23 @@ def test_errors_follow_the_openai_shape(server, client):
     http = httpx.Client(base_url=server[1])
     broken = http.post("/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert broken.status_code == 400 and "error" in broken.json() and "Traceback" not in broken.text
-    missing_field = http.post("/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-    assert missing_field.status_code == 400 and missing_field.json()["error"]["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as missing_field:
+        client.post("/chat/completions", body={"messages": [{"role": "user", "content": "x"}]}, cast_to=object)
+    assert missing_field.value.body["param"] == "model"
 
 
 def test_a_burst_beyond_the_queue_gets_429_with_retry_after(server):
     served, url = server
     statuses = []
 
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)  # no retries: see every 429
+
     def call():
-        response = httpx.post(f"{url}/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
-        statuses.append((response.status_code, response.headers.get("retry-after")))
+        try:
+            ask(client, max_tokens=5)
+            statuses.append((200, None))
+        except openai.RateLimitError as error:
+            statuses.append((error.status_code, error.response.headers.get("retry-after")))
 
     release = threading.Event()
     served.engine.control(release.wait)  # the worker is busy until released: the queue (4) fills
