@@ -61,6 +61,13 @@ class Server:
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="grooves", docs_url=None, redoc_url=None)
     app.state.server = server
+    _install_errors_and_auth(app, server)
+    _install_routes(app, server)
+    return app
+
+
+def _install_errors_and_auth(app: FastAPI, server: Server) -> None:
+    """OpenAI-shaped errors for every failure, and the optional bearer token on /v1 routes."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -88,6 +95,8 @@ def create_app(server: Server) -> FastAPI:
                 return JSONResponse(error.body(), status_code=401)
         return await call_next(request)
 
+
+def _install_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "queued": server.engine.queue.qsize(), "batches": server.engine.batches,
@@ -136,8 +145,6 @@ def create_app(server: Server) -> FastAPI:
                 return completion_body(body, server.policy, generation.prompt_ids, event.outputs, event.adapter_step)
             if isinstance(event, Failed):
                 raise _as_api_error(event.error)
-
-    return app
 
 
 async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[GenerationRequest, asyncio.Queue]:
