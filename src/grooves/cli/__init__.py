@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+
+from grooves.cli.common import RunsOption, _fail, _user_errors, err, num, out
 
 app = typer.Typer(
     name="grooves",
@@ -21,29 +22,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
-err = Console(stderr=True, soft_wrap=True)  # no hard wraps: paths and messages stay copyable
-
-RunsOption = Annotated[Path | None, typer.Option("--runs", envvar="GROOVES_RUNS",
-                                                 help="Runs root folder (default: ./runs).")]
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    from rich.markup import escape
-
-    err.print(f"[bold red]error[/]: {escape(message)}", highlight=False)  # "[tasks]" is text, not markup
-    return typer.Exit(code)
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from grooves.policy.checkpoints import CheckpointError
-    from grooves.policy.models import ModelSpecError
-    from grooves.tasks.sources import TaskSourceError
-    from grooves.training.config import ConfigError
-    from grooves.training.loop import RunExistsError
-
-    return (ConfigError, CheckpointError, ModelSpecError, TaskSourceError, RunExistsError,
-            FileNotFoundError, ModuleNotFoundError)
 
 
 @app.command()
@@ -130,7 +108,7 @@ def list_runs(runs: RunsOption = None) -> None:
         checkpoints = list_checkpoints(folder)
         table.add_row(folder.name, str(rows[-1]["step"] if rows else "-"),
                       f"{folder.name}@{checkpoints[-1][0]}" if checkpoints else "-",
-                      _num(last_train.get("reward/total")), _num(last_val.get("val/reward/total")))
+                      num(last_train.get("reward/total")), num(last_val.get("val/reward/total")))
     out.print(table)
 
 
@@ -217,8 +195,15 @@ def demo(
     print_report(result, out)
 
 
-def _num(value) -> str:
-    return "-" if value is None else f"{value:.3f}"
+def _register_groups() -> None:
+    from grooves.cli import rewards, rm
+
+    app.add_typer(rm.app, name="rm")
+    app.add_typer(rewards.rubric_app, name="rubric")
+    app.add_typer(rewards.judge_app, name="judge")
+
+
+_register_groups()
 
 
 def main() -> None:

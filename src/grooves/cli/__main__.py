@@ -1,0 +1,3 @@
+from grooves.cli import main
+
+main()
