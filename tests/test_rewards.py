@@ -81,3 +81,18 @@ def test_import_object(tmp_path):
         import_object("grooves.tasks.titles:nope")
     with pytest.raises(ValueError, match="must look like"):
         import_object("no_colon")
+
+
+@pytest.mark.parametrize("make_async", [False, True])
+def test_keyboard_interrupt_in_a_verifier_reaches_the_caller_and_the_loop_survives(make_async):
+    def stop(completion):
+        raise KeyboardInterrupt
+
+    async def stop_async(completion):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Reward([Component("stop", stop_async if make_async else stop)]).score([group_of("x")])
+    group = group_of("x")
+    Reward([Component("fine", lambda completion: 1.0)]).score([group])  # the rewards' loop still runs
+    assert group.trajectories[0].reward == 1.0

@@ -19,6 +19,7 @@ _EXPORTS = {
     "Group": "grooves.types",
     "Reward": "grooves.rewards",
     "Component": "grooves.rewards",
+    "Endpoint": "grooves.rewards",
     "load_tasks": "grooves.tasks",
     "train": "grooves.training",
     "Trainer": "grooves.training",
@@ -27,19 +28,19 @@ _EXPORTS = {
     "run_config": "grooves.training",
 }
 
-__all__ = ["algorithms", "training", *_EXPORTS]
+__all__ = ["algorithms", "rewards", "training", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from grooves import algorithms, training
+    from grooves import algorithms, rewards, training
     from grooves.policy import LoRA, Policy, Sampling
-    from grooves.rewards import Component, Reward
+    from grooves.rewards import Component, Endpoint, Reward
     from grooves.tasks import load_tasks
     from grooves.training import RunConfig, Trainer, load_config, run_config, train
     from grooves.types import Group, Trajectory
 
 
 def __getattr__(name: str):
-    if name in ("algorithms", "training"):
+    if name in ("algorithms", "rewards", "training"):
         return importlib.import_module(f"grooves.{name}")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,62 +1,171 @@
 """A reward is a named, weighted list of components that score whole groups.
 
-A component here is a verifier: a plain Python function whose parameters are looked up
-by name among ``completion``, ``task``, ``messages``, ``prompt``, ``trajectory``,
-``group`` and the task's own columns (``text``, ``reference``, ...). It returns a number
-for one trajectory. Weight 0 makes a component a logged metric only.
+Every component sees a whole ``Group`` (so a group-relative judge can compare the G
+samples) and returns one value per trajectory, with a reason where it has one. Kinds:
 
-Failures are explicit: a component that raises or returns a non-finite value yields NaN
-for that trajectory and counts as an error; if a required, weighted component is NaN the
-trajectory's total is NaN and the trainer leaves it out of the advantage.
+- ``Component`` — a verifier: a plain Python function (sync or ``async``) whose parameters
+  are looked up by name among ``completion``, ``task``, ``messages``, ``prompt``, ``state``,
+  ``trajectory``, ``group`` and the task's own columns (``text``, ``reference``, ...). With a
+  ``completions`` parameter it is called once per group and returns a list.
+- judges, reward models and guards (``grooves.rewards.judges``, ``.models``, ``.guards``)
+  subclass ``RewardComponent``.
+
+Weight 0 makes a component a logged metric only. A guard (``veto = True``) does not add to
+the total; when it fails (value 0) the total becomes its ``floor`` whatever the others say,
+and the reason is kept in ``trajectory.metadata["vetoes"]``.
+
+Failures are explicit: a component that raises, returns a non-finite value or the wrong
+number of values yields NaN for those trajectories and counts as an error. A trajectory
+whose required component is NaN gets a NaN total and the trainer leaves it out of the
+advantage (never a silent 0). A confirmed veto still sets the floor: the guard's answer
+is known whatever else failed.
+
+Components run concurrently on one background event loop, so judges keep their HTTP
+connections across steps; sync functions run in worker threads. ``max_concurrency``
+bounds the calls in flight: judge requests and async verifier calls count one per
+trajectory, other components one per group.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
 import math
 import sys
+import threading
 from collections.abc import Callable, Iterable
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from grooves.types import Group, Trajectory
 
-_BUILTIN_ARGS = {"completion", "task", "messages", "prompt", "trajectory", "group"}
+
+@dataclass
+class Score:
+    """One component's value for one trajectory, with an optional reason (e.g. a judge's)."""
+
+    value: float
+    reason: str | None = None
 
 
 @dataclass
-class Component:
-    name: str
-    fn: Callable[..., float]
-    weight: float = 1.0
-    required: bool = True
+class Failed:
+    """What a component returns for a trajectory it could not score: NaN, counted, with why."""
 
-    def __post_init__(self) -> None:
-        if self.name == "total" or "/" in self.name:
-            raise ValueError(f"reward component name {self.name!r} is reserved or contains '/'")
-        signature = inspect.signature(self.fn)
+    error: str
+
+
+class ComponentError(RuntimeError):
+    """A component failed for a whole group (its trajectories get NaN)."""
+
+
+class RewardComponent:
+    """Base of every reward component: a named, weighted scorer of whole groups.
+
+    Subclasses implement ``score_group`` (async); it returns one ``float``/``Score`` per trajectory
+    (NaN or ``None`` marks one that could not be scored) or raises for the whole group.
+    ``counters()`` may return running totals (a judge's calls, retries, seconds, ...); a
+    ``RewardReport`` keeps what each scoring pass added, logged as ``reward/<name>/<key>``.
+    """
+
+    veto: bool = False
+    floor: float = 0.0
+    # False: the reward's concurrency limit covers the whole ``score_group`` call. True: the
+    # component takes ``limited()`` around each of its own calls (one per trajectory).
+    limits_itself: bool = False
+
+    def __init__(self, name: str, weight: float = 1.0, required: bool = True):
+        if name == "total" or "/" in name or not name:
+            raise ValueError(f"reward component name {name!r} is empty, reserved or contains '/'")
+        self.name = name
+        self.weight = float(weight)
+        self.required = required
+
+    async def score_group(self, group: Group) -> list[float | Score | None]:
+        raise NotImplementedError
+
+    def counters(self) -> dict[str, float]:
+        return {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, weight={self.weight})"
+
+
+def task_arguments(trajectory: Trajectory | None, group: Group) -> dict[str, Any]:
+    """Everything a verifier can ask for by name, for one trajectory of ``group``."""
+    task = group.task
+    available: dict[str, Any] = {"task": task, "prompt": task.get("prompt"), "group": group,
+                                 "completions": [t.completion for t in group.trajectories]}
+    if trajectory is not None:
+        available.update(completion=trajectory.completion, messages=trajectory.messages,
+                         trajectory=trajectory, state=trajectory.metadata.get("state", {}))
+    for key, value in task.items():
+        available.setdefault(key, value)
+    return available
+
+
+class Component(RewardComponent):
+    """A verifier: a plain function scoring one trajectory (or, with ``completions``, a group)."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], weight: float = 1.0, required: bool = True):
+        super().__init__(name, weight, required)
+        self.fn = fn
+        signature = inspect.signature(fn)
         self._params = [p.name for p in signature.parameters.values()
                         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         self._takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+        self.per_group = "completions" in self._params
+        self._async = inspect.iscoroutinefunction(fn)
+        self.limits_itself = self._async and not self.per_group
 
-    def arguments(self, trajectory: Trajectory, group: Group) -> dict[str, Any]:
-        task = group.task
-        available = {
-            "completion": trajectory.completion, "task": task, "messages": trajectory.messages,
-            "prompt": task.get("prompt"), "trajectory": trajectory, "group": group,
-        }
-        for key, value in task.items():
-            available.setdefault(key, value)
+    def arguments(self, trajectory: Trajectory | None, group: Group) -> dict[str, Any]:
+        available = task_arguments(trajectory, group)
         if self._takes_kwargs:
             return available
         missing = [p for p in self._params if p not in available]
         if missing:
             raise TypeError(f"reward {self.name!r} asks for {missing}, which neither the trajectory "
-                            f"nor the task provides (task columns: {sorted(task)})")
+                            f"nor the task provides (task columns: {sorted(group.task)})")
         return {p: available[p] for p in self._params}
+
+    async def score_group(self, group: Group) -> list[float | Score | None]:
+        if self.per_group:
+            values = await self._call(self.arguments(None, group))
+            if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+                raise ComponentError(f"returned {type(values).__name__}, expected a list of {len(group)} values")
+            return list(values)
+        if self._async:
+            return list(await asyncio.gather(*(self._one(t, group) for t in group.trajectories)))
+        # One worker thread for the whole group: cheap verifiers stay cheap, slow ones don't block.
+        return await in_thread(lambda: [self._one_sync(t, group) for t in group.trajectories])
+
+    async def _call(self, arguments: dict[str, Any]) -> Any:
+        if self._async:
+            return await _escaping(self.fn(**arguments))
+        return await in_thread(self.fn, **arguments)
+
+    async def _one(self, trajectory: Trajectory, group: Group) -> float | Score | Failed:
+        try:
+            async with limited():
+                return await _escaping(self.fn(**self.arguments(trajectory, group)))
+        except Escaped:
+            raise
+        except Exception as error:
+            return Failed(f"{type(error).__name__}: {error}")
+
+    def _one_sync(self, trajectory: Trajectory, group: Group) -> float | Score | Failed:
+        try:
+            return self.fn(**self.arguments(trajectory, group))
+        except Exception as error:  # a broken verifier must not stop the run; it is counted and shown
+            return Failed(f"{type(error).__name__}: {error}")
+
+
+Verifier = Component
 
 
 @dataclass
@@ -66,70 +175,210 @@ class RewardReport:
     errors: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     first_error: dict[str, str] = field(default_factory=dict)
+    vetoes: dict[str, int] = field(default_factory=dict)
+    counters: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    def add_error(self, name: str, error: str) -> None:
-        self.errors[name] = self.errors.get(name, 0) + 1
+    def add_counters(self, name: str, before: dict[str, float], after: dict[str, float]) -> None:
+        mine = self.counters.setdefault(name, {})
+        for key, value in after.items():
+            mine[key] = mine.get(key, 0.0) + value - before.get(key, 0.0)
+
+    def add_error(self, name: str, error: str, count: int = 1) -> None:
+        self.errors[name] = self.errors.get(name, 0) + count
         self.first_error.setdefault(name, error)
 
 
 class Reward:
     """Scores groups: fills ``trajectory.components`` and ``trajectory.reward`` (the weighted sum)."""
 
-    def __init__(self, components: Iterable[Component]):
+    def __init__(self, components: Iterable[RewardComponent], max_concurrency: int = 16):
         self.components = list(components)
         names = [c.name for c in self.components]
         if not names:
             raise ValueError("a reward needs at least one component")
         if len(set(names)) != len(names):
             raise ValueError(f"reward component names must be unique: {names}")
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        self.max_concurrency = max_concurrency
 
     def score(self, groups: list[Group], report: RewardReport | None = None) -> RewardReport:
+        """Score every group (blocking); safe to call with or without a running event loop."""
+        return run_coroutine(self.ascore(groups, report))
+
+    async def ascore(self, groups: list[Group], report: RewardReport | None = None) -> RewardReport:
         report = report or RewardReport()
+        token = _limit.set(asyncio.Semaphore(self.max_concurrency))
+        before = {c.name: c.counters() for c in self.components}
+
+        async def one(component: RewardComponent, group: Group) -> None:
+            values = await _score_safely(component, group)
+            _apply(component, group, values, report)
+
+        try:
+            await asyncio.gather(*(one(c, g) for g in groups for c in self.components))
+        finally:
+            _limit.reset(token)
+        for component in self.components:
+            report.add_counters(component.name, before[component.name], component.counters())
         for group in groups:
             for trajectory in group.trajectories:
-                for component in self.components:
-                    trajectory.components[component.name] = self._call(component, trajectory, group, report)
-                trajectory.reward = self.total(trajectory.components)
+                trajectory.reward = self.total(trajectory.components, trajectory.metadata)
+                for name in trajectory.metadata.get("vetoes", {}):
+                    report.vetoes[name] = report.vetoes.get(name, 0) + 1
         return report
 
-    def total(self, components: dict[str, float]) -> float:
+    def total(self, components: dict[str, float], metadata: dict[str, Any] | None = None) -> float:
+        """Weighted sum; a failed guard sets its floor, a NaN required component makes NaN."""
+        vetoes = {}
+        for guard in (c for c in self.components if c.veto):
+            value = components.get(guard.name, math.nan)
+            if not math.isnan(value) and value < 0.5:
+                reason = (metadata or {}).get("reasons", {}).get(guard.name) or "check failed"
+                vetoes[guard.name] = reason
+        if metadata is not None:
+            metadata.pop("vetoes", None)
+            if vetoes:
+                metadata["vetoes"] = vetoes
+        if vetoes:
+            return min(c.floor for c in self.components if c.name in vetoes)
         total = 0.0
         for component in self.components:
             value = components.get(component.name, math.nan)
-            if component.weight == 0:
-                continue
             if math.isnan(value):
                 if component.required:
                     return math.nan
                 continue
-            total += component.weight * value
+            if component.weight != 0 and not component.veto:
+                total += component.weight * value
         return total
 
-    @staticmethod
-    def _call(component: Component, trajectory: Trajectory, group: Group, report: RewardReport) -> float:
-        report.calls[component.name] = report.calls.get(component.name, 0) + 1
+
+_limit: ContextVar[asyncio.Semaphore | None] = ContextVar("grooves_reward_limit", default=None)
+
+
+@asynccontextmanager
+async def limited():
+    """Hold one of the scoring reward's ``max_concurrency`` slots (no limit outside ``ascore``)."""
+    semaphore = _limit.get()
+    if semaphore is None:
+        yield
+        return
+    async with semaphore:
+        yield
+
+
+class Escaped(Exception):
+    """Carries a KeyboardInterrupt or SystemExit out of the rewards' loop to the caller's thread.
+
+    Raised as is inside the loop, those would stop the loop itself and leave the caller
+    waiting forever; ``run_coroutine`` re-raises the original in the calling thread.
+    """
+
+    def __init__(self, original: BaseException):
+        super().__init__(repr(original))
+        self.original = original
+
+
+async def in_thread(fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """``asyncio.to_thread`` that brings a KeyboardInterrupt/SystemExit back as ``Escaped``."""
+    def run():
         try:
-            value = float(component.fn(**component.arguments(trajectory, group)))
-        except Exception as error:  # a broken verifier must not stop the run; it is counted and shown
-            report.add_error(component.name, f"{type(error).__name__}: {error}")
-            return math.nan
-        if not math.isfinite(value):
-            report.add_error(component.name, f"returned {value}")
-            return math.nan
-        return value
+            return fn(*args, **kwargs)
+        except Exception:
+            raise
+        except BaseException as error:
+            raise Escaped(error) from None
+
+    return await asyncio.to_thread(run)
+
+
+async def _escaping(awaitable) -> Any:
+    try:
+        return await awaitable
+    except (KeyboardInterrupt, SystemExit) as error:
+        raise Escaped(error) from None
+
+
+async def _score_safely(component: RewardComponent, group: Group) -> list[Any]:
+    try:
+        if component.limits_itself:
+            values = await _escaping(component.score_group(group))
+        else:
+            async with limited():
+                values = await _escaping(component.score_group(group))
+    except Escaped:
+        raise
+    except Exception as error:  # the whole group fails for this component: NaN, counted
+        return [Failed(f"{type(error).__name__}: {error}")] * len(group)
+    if len(values) != len(group):
+        return [Failed(f"returned {len(values)} values for a group of {len(group)}")] * len(group)
+    return values
+
+
+def _apply(component: RewardComponent, group: Group, values: list[Any], report: RewardReport) -> None:
+    report.calls[component.name] = report.calls.get(component.name, 0) + len(group)
+    for trajectory, value in zip(group.trajectories, values):
+        reason = None
+        if isinstance(value, Score):
+            value, reason = value.value, value.reason
+        if isinstance(value, Failed):
+            report.add_error(component.name, value.error)
+            number = math.nan
+        else:
+            try:
+                number = math.nan if value is None else float(value)
+            except (TypeError, ValueError):
+                number = math.nan
+            if not math.isfinite(number):
+                report.add_error(component.name, f"returned {value!r}")
+                number = math.nan
+        trajectory.components[component.name] = number
+        if reason:
+            trajectory.metadata.setdefault("reasons", {})[component.name] = reason
+
+
+# --- one background event loop for all rewards ---------------------------------------------
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop.is_closed():
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="grooves-rewards", daemon=True).start()
+        return _loop
+
+
+def run_coroutine(coroutine) -> Any:
+    """Run ``coroutine`` on the rewards' background loop and wait for its result.
+
+    One long-lived loop (rather than ``asyncio.run`` per call) keeps async HTTP clients
+    valid from one step to the next, and works when the caller has its own loop running.
+    """
+    future = asyncio.run_coroutine_threadsafe(coroutine, _background_loop())
+    try:
+        return future.result()
+    except Escaped as escaped:
+        raise escaped.original from None
 
 
 def as_reward(spec: Reward | Callable | list | dict) -> Reward:
-    """Build a Reward from a function, a list of functions/Components, or ``{name: fn}``."""
+    """Build a Reward from a function, a list of functions/components, or ``{name: fn}``."""
     if isinstance(spec, Reward):
         return spec
+    if isinstance(spec, RewardComponent):
+        return Reward([spec])
     if callable(spec):
         return Reward([Component(getattr(spec, "__name__", "reward"), spec)])
     if isinstance(spec, dict):
         return Reward([Component(name, fn) for name, fn in spec.items()])
     components = []
     for item in spec:
-        components.append(item if isinstance(item, Component) else Component(item.__name__, item))
+        components.append(item if isinstance(item, RewardComponent) else Component(item.__name__, item))
     return Reward(components)
 
 

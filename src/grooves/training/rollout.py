@@ -47,7 +47,26 @@ def reward_metrics(groups: list[Group], reward: Reward, report: RewardReport, pr
         metrics[f"{prefix}/{component.name}/std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
         calls = report.calls.get(component.name, 0)
         metrics[f"{prefix}/{component.name}/error_rate"] = report.errors.get(component.name, 0) / calls if calls else 0.0
+        if component.veto:
+            metrics[f"{prefix}/{component.name}/veto_rate"] = (report.vetoes.get(component.name, 0) / calls
+                                                               if calls else 0.0)
+        for key, value in counter_metrics(report.counters.get(component.name, {})).items():
+            metrics[f"{prefix}/{component.name}/{key}"] = value
+    if any(c.veto for c in reward.components) and trajectories:
+        metrics[f"{prefix}/vetoed"] = sum(bool(t.metadata.get("vetoes")) for t in trajectories) / len(trajectories)
     return metrics
+
+
+def counter_metrics(counters: dict[str, float]) -> dict[str, float]:
+    """A judge's counters for one step: calls and tokens as counts, the rest per call."""
+    calls = counters.get("calls", 0.0)
+    out = dict(counters)
+    if "latency_s" in counters:
+        out["latency_s"] = counters["latency_s"] / calls if calls else 0.0
+    if "unparseable" in counters:
+        out["unparseable_rate"] = counters["unparseable"] / calls if calls else 0.0
+        del out["unparseable"]
+    return out
 
 
 def completion_stats(groups: list[Group]) -> tuple[float, float]:
