@@ -1,0 +1,180 @@
+"""Guards: reward components that veto a hack instead of adding to the total.
+
+A guard's value is 1.0 (pass) or 0.0 (fail) and is logged as ``reward/<name>`` (so its
+mean is the pass rate). When a guard fails, the trajectory's total becomes the guard's
+``floor`` (default 0) whatever the other components say, and the reason is kept in
+``trajectory.metadata["vetoes"]``. A guard whose check *errors* (a judge timeout, an
+unparseable reply) does not veto: it gives NaN and the trajectory is left out of the
+advantage, like any failed required component.
+
+Shipped guards:
+- ``supported_by_source``: an LLM yes/no check that the output makes no claim the source
+  does not support; the fix for the fake-headline hack. Point it at a frozen model (the
+  base without the adapter, served by ``grooves serve``, or any endpoint).
+- ``LexicalGrounding``: numbers, names and rare words in the output must appear in the
+  source. Cheap, no model; catches invented figures and names.
+- ``FormatGuard``: the output must match a regular expression or a JSON schema.
+- ``InjectionGuard``: an output that addresses the judge or tries to instruct it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+
+from grooves.rewards.client import Endpoint, JudgeClient
+from grooves.rewards.compose import RewardComponent, Score, in_thread
+from grooves.rewards.judges import YesNoCheck, judge_input
+from grooves.types import Group, Trajectory
+
+SUPPORTED_QUESTION = ("Is every claim in the output (names, numbers, events, what happened) supported by the "
+                      "input text? Answer no if the output states anything the input does not say.")
+
+
+class Guard(RewardComponent):
+    """Base of the guards: ``check(trajectory, group) -> (passed, reason)``; fails veto the total."""
+
+    veto = True
+
+    def __init__(self, name: str, floor: float = 0.0, required: bool = True):
+        super().__init__(name, weight=0.0, required=required)
+        self.floor = float(floor)
+
+    def check(self, trajectory: Trajectory, group: Group) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    async def score_group(self, group: Group) -> list[Score]:
+        def run() -> list[Score]:
+            results = [self.check(t, group) for t in group.trajectories]
+            return [Score(1.0 if passed else 0.0, reason) for passed, reason in results]
+
+        return await in_thread(run)
+
+
+class JudgeGuard(Guard):
+    """A guard whose check is an LLM yes/no question (``YesNoCheck``)."""
+
+    limits_itself = True  # the check takes a concurrency slot per request
+
+    def __init__(self, name: str, check: YesNoCheck, floor: float = 0.0, required: bool = True):
+        super().__init__(name, floor, required)
+        self.judge = check
+
+    async def score_group(self, group: Group):
+        return await self.judge.score_group(group)
+
+    def counters(self) -> dict[str, float]:
+        return self.judge.counters()
+
+
+def supported_by_source(endpoint: Endpoint | JudgeClient, *, name: str = "supported", source: str | None = None,
+                        floor: float = 0.0, question: str = SUPPORTED_QUESTION, **options) -> JudgeGuard:
+    """Veto outputs that claim what the source does not say (``source``: a task column, or the prompt)."""
+    check = YesNoCheck(name, question, endpoint, input=source, **options)
+    return JudgeGuard(name, check, floor=floor)
+
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_WORD = re.compile(r"[A-Za-z][A-Za-z'\-]*")
+
+
+class LexicalGrounding(Guard):
+    """Numbers, capitalised names and rare (long) words of the output must occur in the source.
+
+    A name is a capitalised word that is not the first word of the output; a rare word has
+    at least ``rare_length`` letters. Matching ignores case and a plural "s"; numbers must
+    appear as written (``75`` is not grounded by ``7.5``).
+    """
+
+    def __init__(self, name: str = "grounded_terms", source: str | None = None, rare_length: int = 9,
+                 floor: float = 0.0, required: bool = True):
+        super().__init__(name, floor, required)
+        self.source, self.rare_length = source, rare_length
+
+    def terms(self, text: str) -> list[str]:
+        terms = _NUMBER.findall(text)
+        words = _WORD.findall(text)
+        for index, word in enumerate(words):
+            if (index > 0 and word[0].isupper()) or len(word) >= self.rare_length:
+                terms.append(word)
+        return terms
+
+    def check(self, trajectory: Trajectory, group: Group) -> tuple[bool, str]:
+        source = judge_input(trajectory, group, self.source)
+        numbers = set(_NUMBER.findall(source))
+        words = {_stem(w) for w in _WORD.findall(source)}
+        missing = []
+        for term in self.terms(trajectory.completion):
+            found = term in numbers if term[0].isdigit() else _stem(term) in words
+            if not found and term not in missing:
+                missing.append(term)
+        if missing:
+            return False, f"not in the source: {', '.join(missing[:8])}"
+        return True, "every number, name and rare word occurs in the source"
+
+
+def _stem(word: str) -> str:
+    word = word.lower().strip("'-")
+    return word[:-1] if word.endswith("s") and len(word) > 3 else word
+
+
+class FormatGuard(Guard):
+    """The output (stripped) must fully match ``pattern``, or be JSON valid under ``json_schema``."""
+
+    def __init__(self, name: str = "format", pattern: str | None = None, json_schema: dict | None = None,
+                 floor: float = 0.0, required: bool = True):
+        super().__init__(name, floor, required)
+        if (pattern is None) == (json_schema is None):
+            raise ValueError(f"guard {name!r}: give exactly one of pattern or json_schema")
+        self.pattern = re.compile(pattern, re.DOTALL) if pattern is not None else None
+        self.validator: Callable | None = None
+        if json_schema is not None:
+            import jsonschema
+
+            jsonschema.Draft202012Validator.check_schema(json_schema)
+            self.validator = jsonschema.Draft202012Validator(json_schema)
+
+    def check(self, trajectory: Trajectory, group: Group) -> tuple[bool, str]:
+        text = trajectory.completion.strip()
+        if self.pattern is not None:
+            if self.pattern.fullmatch(text):
+                return True, "matches the pattern"
+            return False, f"does not match {self.pattern.pattern!r}"
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            return False, f"not JSON ({error.msg})"
+        problems = sorted(self.validator.iter_errors(data), key=lambda e: list(e.path))
+        if problems:
+            where = "/".join(str(p) for p in problems[0].path) or "(top level)"
+            return False, f"{where}: {problems[0].message}"
+        return True, "valid under the schema"
+
+
+INJECTION_PATTERNS = (
+    r"ignore (?:all |any |the )?(?:previous|prior|above|earlier) (?:instructions|rules|prompts?)",
+    r"disregard (?:the |all |your )?(?:rubric|instructions|rules)",
+    r"\b(?:score|rate|grade|mark) (?:this|me|it|the output)(?: as| with| a)? (?:a )?(?:10|100|\d+ ?/ ?\d+|perfect|full|maximum|high(?:est)?)",
+    r"\b(?:give|award|assign) (?:this|me|it)(?: output| answer)? (?:a |the )?(?:10|100|perfect|full|maximum|top|high(?:est)?) (?:score|marks?|rating|grade)",
+    r"\b(?:dear|attention|note to (?:the )?)\s*(?:judge|grader|evaluator|reviewer|scorer)s?\b",
+    r"\b(?:as|you are) an? (?:ai |llm )?(?:judge|grader|evaluator)\b",
+    r"\b(?:system prompt|<\|im_start\|>|\[/?inst\])",
+    r"\bthis (?:output|answer|response) (?:is|deserves) (?:perfect|excellent|a 10|the best)",
+)
+
+
+class InjectionGuard(Guard):
+    """Veto outputs that address the judge ("score this 10", "ignore previous instructions")."""
+
+    def __init__(self, name: str = "no_judge_talk", patterns: tuple[str, ...] = INJECTION_PATTERNS,
+                 floor: float = 0.0, required: bool = True):
+        super().__init__(name, floor, required)
+        self.patterns = [re.compile(p, re.IGNORECASE) for p in patterns]
+
+    def check(self, trajectory: Trajectory, group: Group) -> tuple[bool, str]:
+        for pattern in self.patterns:
+            match = pattern.search(trajectory.completion)
+            if match:
+                return False, f"addresses the judge: {match.group(0)!r}"
+        return True, "does not address the judge"
