@@ -14,6 +14,7 @@ from grooves.rewards.compose import Component, Reward, as_reward, import_object
 from grooves.tasks.sources import load_tasks, split_tasks
 from grooves.training.config import ConfigError, RewardConfig, RunConfig, TasksConfig, parse_config
 from grooves.training.loop import Run, TrainingRun
+from grooves.training.reward_config import ComponentBuildError, build_components
 from grooves.training.tasksets import TaskSet
 from grooves.types import Task
 
@@ -25,7 +26,7 @@ def resolve_device(name: str) -> str:
 
 
 def build_reward(config: RewardConfig) -> Reward:
-    """The reward a config names; an unknown builtin or function is a ConfigError with its path."""
+    """The reward a config names; an unknown builtin, function or file is a ConfigError with its path."""
     from grooves.tasks.sources import BUILTIN
 
     components = []
@@ -33,13 +34,14 @@ def build_reward(config: RewardConfig) -> Reward:
         if config.builtin not in BUILTIN:
             raise ConfigError(f"reward.builtin: unknown {config.builtin!r}; available: {', '.join(BUILTIN)}")
         components.extend(import_object(f"{BUILTIN[config.builtin]}:reward")().components)
-    for index, item in enumerate(config.components):
-        try:
-            fn = import_object(item.function)
-        except (ValueError, ImportError, FileNotFoundError) as error:
-            raise ConfigError(f"reward.components.{index}.function: {error}") from None
-        components.append(Component(item.name or fn.__name__, fn, item.weight, item.required))
-    return Reward(components)
+    try:
+        components.extend(build_components(config))
+    except ComponentBuildError as error:
+        raise ConfigError(f"reward.{error}") from None
+    try:
+        return Reward(components, max_concurrency=config.max_concurrency)
+    except ValueError as error:
+        raise ConfigError(f"reward.components: {error} (give each component its own name = ...)") from None
 
 
 def task_splits(source: Any, heldout: Any, fraction: float, seed: int) -> tuple[list[Task], list[Task]]:
@@ -112,8 +114,9 @@ def train(
         "train": base.train.model_copy(update={"group_size": group_size, "tasks_per_step": tasks_per_step}),
         "tasks": TasksConfig(**{**base.tasks.model_dump(), "source": _describe(tasks),
                                 "heldout": None if heldout is None else _describe(heldout)}),
-        "reward": RewardConfig(components=[{"function": _qualname(c.fn), "name": c.name, "weight": c.weight,
-                                            "required": c.required} for c in reward.components]),
+        "reward": RewardConfig(components=[{"function": _qualname(getattr(c, "fn", type(c))), "name": c.name,
+                                            "weight": c.weight, "required": c.required}
+                                           for c in reward.components]),
     }
     config = RunConfig.model_validate({**base.model_dump(), **{k: v for k, v in updates.items()}})
     t = config.tasks

@@ -12,7 +12,7 @@ import re
 import tomllib
 from pathlib import Path
 from types import UnionType
-from typing import Literal, Union, get_args, get_origin
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticUndefined
@@ -20,6 +20,7 @@ from pydantic_core import PydanticUndefined
 from grooves.algorithms.presets import PRESETS, Algorithm
 from grooves.policy.lora import LoRA
 from grooves.policy.models import BUNDLED_DEFAULT
+from grooves.training.reward_config import COMPONENT_KINDS, EndpointConfig, RewardConfig
 
 
 class _Section(BaseModel):
@@ -47,24 +48,6 @@ class TasksConfig(_Section):
                                         "that builds the user message, e.g. 'Summarise: {text}'. Without "
                                         "it each task needs a 'prompt' column.")
     system: str | None = Field(None, description="System message put before each prompt.")
-
-
-class RewardComponentConfig(_Section):
-    function: str = Field(description="'module:function' or 'path/to/file.py:function'.")
-    name: str | None = Field(None, description="Name in metrics (reward/<name>); default: the function name.")
-    weight: float = Field(1.0, description="Weight in the total; 0 = logged only.")
-    required: bool = Field(True, description="If it fails, leave the trajectory out of the advantage.")
-
-
-class RewardConfig(_Section):
-    builtin: str | None = Field(None, description="Use a built-in task's reward, e.g. 'titles'.")
-    components: list[RewardComponentConfig] = Field(default_factory=list, description="Verifier functions.")
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> RewardConfig:
-        if not self.builtin and not self.components:
-            raise ValueError("give a built-in reward (builtin = 'titles') or at least one [[reward.components]]")
-        return self
 
 
 class MixConfig(_Section):
@@ -221,7 +204,9 @@ def config_reference() -> str:
     sections = [("(top level)", RunConfig, base)] + [
         (f"[{name}]", field.annotation, getattr(base, name)) for name, field in RunConfig.model_fields.items()
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)]
-    sections.append(("[[reward.components]] (one table per component)", RewardComponentConfig, None))
+    for kind, model in COMPONENT_KINDS.items():
+        sections.append((f"[[reward.components]] with kind = \"{kind}\"", model, None))
+    sections.append(("[reward.endpoints.NAME] (one table per judge endpoint)", EndpointConfig, None))
     sections.append(("[[mix]] (one table per task set; with [mix.tasks] and [mix.reward] as above)",
                      MixConfig, None))
     for title, model, defaults in sections:
@@ -233,13 +218,17 @@ def config_reference() -> str:
             kind = _type_name(annotation)
             default = getattr(defaults, name) if defaults is not None else field.get_default(call_default_factory=True)
             default = "required" if default is PydanticUndefined else f"`{default!r}`"
-            description = field.description or ("See the sections below." if name == "components" else "")
+            description = field.description or ""
             lines.append(f"| `{name}` | {kind} | {default} | {description} |")
         lines.append("")
     return "\n".join(lines)
 
 
 def _type_name(annotation) -> str:
+    if get_origin(annotation) is list and get_origin(get_args(annotation)[0]) is Annotated:
+        return "list of tables (see below)"
+    if get_origin(annotation) is dict:
+        return "tables by name (see below)"
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(f"`{value!r}`" for value in get_args(annotation))
     if get_origin(annotation) in (Union, UnionType):
