@@ -12,7 +12,7 @@ from grooves.policy import LoRA, Policy, Sampling
 from grooves.serve.app import ServerThread, build_server, create_app
 from grooves.serve.capture import CaptureError, RecordedCall, Recorder, merge_turns
 from grooves.training.trainer import Trainer, drop_stale
-from grooves.types import Group, Trajectory
+from grooves.types import Trajectory
 
 
 @pytest.fixture(scope="module")

@@ -34,14 +34,12 @@ import importlib.util
 import inspect
 import math
 import sys
-import threading
 from collections.abc import Callable, Iterable
-from contextlib import asynccontextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grooves.rewards.runner import Escaped, escaping, in_thread, limited, limit_to, run_coroutine
 from grooves.types import Group, Trajectory
 
 
@@ -146,13 +144,13 @@ class Component(RewardComponent):
 
     async def _call(self, arguments: dict[str, Any]) -> Any:
         if self._async:
-            return await _escaping(self.fn(**arguments))
+            return await escaping(self.fn(**arguments))
         return await in_thread(self.fn, **arguments)
 
     async def _one(self, trajectory: Trajectory, group: Group) -> float | Score | Failed:
         try:
             async with limited():
-                return await _escaping(self.fn(**self.arguments(trajectory, group)))
+                return await escaping(self.fn(**self.arguments(trajectory, group)))
         except Escaped:
             raise
         except Exception as error:
@@ -208,7 +206,7 @@ class Reward:
 
     async def ascore(self, groups: list[Group], report: RewardReport | None = None) -> RewardReport:
         report = report or RewardReport()
-        token = _limit.set(asyncio.Semaphore(self.max_concurrency))
+        token = limit_to(self.max_concurrency)
         before = {c.name: c.counters() for c in self.components}
 
         async def one(component: RewardComponent, group: Group) -> None:
@@ -218,7 +216,7 @@ class Reward:
         try:
             await asyncio.gather(*(one(c, g) for g in groups for c in self.components))
         finally:
-            _limit.reset(token)
+            token.var.reset(token)
         for component in self.components:
             report.add_counters(component.name, before[component.name], component.counters())
         for group in groups:
@@ -254,59 +252,13 @@ class Reward:
         return total
 
 
-_limit: ContextVar[asyncio.Semaphore | None] = ContextVar("grooves_reward_limit", default=None)
-
-
-@asynccontextmanager
-async def limited():
-    """Hold one of the scoring reward's ``max_concurrency`` slots (no limit outside ``ascore``)."""
-    semaphore = _limit.get()
-    if semaphore is None:
-        yield
-        return
-    async with semaphore:
-        yield
-
-
-class Escaped(Exception):
-    """Carries a KeyboardInterrupt or SystemExit out of the rewards' loop to the caller's thread.
-
-    Raised as is inside the loop, those would stop the loop itself and leave the caller
-    waiting forever; ``run_coroutine`` re-raises the original in the calling thread.
-    """
-
-    def __init__(self, original: BaseException):
-        super().__init__(repr(original))
-        self.original = original
-
-
-async def in_thread(fn: Callable[..., Any], *args, **kwargs) -> Any:
-    """``asyncio.to_thread`` that brings a KeyboardInterrupt/SystemExit back as ``Escaped``."""
-    def run():
-        try:
-            return fn(*args, **kwargs)
-        except Exception:
-            raise
-        except BaseException as error:
-            raise Escaped(error) from None
-
-    return await asyncio.to_thread(run)
-
-
-async def _escaping(awaitable) -> Any:
-    try:
-        return await awaitable
-    except (KeyboardInterrupt, SystemExit) as error:
-        raise Escaped(error) from None
-
-
 async def _score_safely(component: RewardComponent, group: Group) -> list[Any]:
     try:
         if component.limits_itself:
-            values = await _escaping(component.score_group(group))
+            values = await escaping(component.score_group(group))
         else:
             async with limited():
-                values = await _escaping(component.score_group(group))
+                values = await escaping(component.score_group(group))
     except Escaped:
         raise
     except Exception as error:  # the whole group fails for this component: NaN, counted
@@ -336,34 +288,6 @@ def _apply(component: RewardComponent, group: Group, values: list[Any], report: 
         trajectory.components[component.name] = number
         if reason:
             trajectory.metadata.setdefault("reasons", {})[component.name] = reason
-
-
-# --- one background event loop for all rewards ---------------------------------------------
-
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_lock = threading.Lock()
-
-
-def _background_loop() -> asyncio.AbstractEventLoop:
-    global _loop
-    with _loop_lock:
-        if _loop is None or _loop.is_closed():
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="grooves-rewards", daemon=True).start()
-        return _loop
-
-
-def run_coroutine(coroutine) -> Any:
-    """Run ``coroutine`` on the rewards' background loop and wait for its result.
-
-    One long-lived loop (rather than ``asyncio.run`` per call) keeps async HTTP clients
-    valid from one step to the next, and works when the caller has its own loop running.
-    """
-    future = asyncio.run_coroutine_threadsafe(coroutine, _background_loop())
-    try:
-        return future.result()
-    except Escaped as escaped:
-        raise escaped.original from None
 
 
 def as_reward(spec: Reward | Callable | list | dict) -> Reward:

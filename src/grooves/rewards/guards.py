@@ -24,7 +24,8 @@ import re
 from collections.abc import Callable
 
 from grooves.rewards.client import Endpoint, JudgeClient
-from grooves.rewards.compose import RewardComponent, Score, in_thread
+from grooves.rewards.compose import RewardComponent, Score
+from grooves.rewards.runner import in_thread
 from grooves.rewards.judges import YesNoCheck, judge_input
 from grooves.types import Group, Trajectory
 

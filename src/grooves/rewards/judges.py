@@ -26,7 +26,8 @@ import random
 from typing import Any
 
 from grooves.rewards.client import Endpoint, JudgeCache, JudgeClient, JudgeError, ReplyError, number_in
-from grooves.rewards.compose import Failed, RewardComponent, Score, limited, task_arguments
+from grooves.rewards.compose import Failed, RewardComponent, Score, task_arguments
+from grooves.rewards.runner import limited
 from grooves.types import Group, Trajectory
 
 SYSTEM = ("You are a careful, impartial grader. You judge only what the rubric asks about and "

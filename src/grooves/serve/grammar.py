@@ -11,7 +11,6 @@ into endless whitespace. Compiled grammars are cached by schema.
 from __future__ import annotations
 
 import json
-from collections import deque
 from functools import lru_cache
 from typing import Any
 

@@ -10,7 +10,7 @@ import torch
 from grooves.algorithms.presets import Algorithm, preset
 from grooves.policy.checkpoints import runs_root
 from grooves.policy.policy import Policy
-from grooves.rewards.compose import Component, Reward, as_reward, import_object
+from grooves.rewards.compose import Reward, as_reward, import_object
 from grooves.tasks.sources import load_tasks, split_tasks
 from grooves.training.config import ConfigError, RewardConfig, RunConfig, TasksConfig, parse_config
 from grooves.training.loop import Run, TrainingRun
