@@ -9,10 +9,11 @@ from grooves.rewards.guards import (
     FormatGuard, Guard, InjectionGuard, JudgeGuard, LexicalGrounding, supported_by_source,
 )
 from grooves.rewards.judges import GroupJudge, PointwiseJudge, YesNoCheck
+from grooves.rewards.rubric import Criterion, Example, Rubric, RubricError
 
 __all__ = [
-    "Component", "Endpoint", "Failed", "FormatGuard", "GroupJudge", "Guard", "InjectionGuard", "JudgeCache",
-    "JudgeClient", "JudgeError", "JudgeGuard", "LexicalGrounding", "PointwiseJudge", "ReplyError", "Reward",
-    "RewardComponent", "RewardReport", "Score", "Verifier", "YesNoCheck", "as_reward", "import_object",
-    "supported_by_source",
+    "Component", "Criterion", "Endpoint", "Example", "Failed", "FormatGuard", "GroupJudge", "Guard",
+    "InjectionGuard", "JudgeCache", "JudgeClient", "JudgeError", "JudgeGuard", "LexicalGrounding",
+    "PointwiseJudge", "ReplyError", "Reward", "RewardComponent", "RewardReport", "Rubric", "RubricError",
+    "Score", "Verifier", "YesNoCheck", "as_reward", "import_object", "supported_by_source",
 ]

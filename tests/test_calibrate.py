@@ -1,0 +1,223 @@
+"""Judge calibration: agreement from scripted verdicts, verdicts persisted per rubric version,
+judge failures shown as failed (never 0) and kept out of the rate, samples from files and runs."""
+
+import json
+import math
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from grooves.cli import app
+from grooves.rewards.calibrate import (
+    Agreement, CalibrationError, Sample, Scored, Verdict, agreement, load_samples, load_verdicts, pick,
+    score_samples,
+)
+from grooves.rewards.compose import Failed, RewardComponent, Score
+from grooves.rewards.rubric import Rubric
+from grooves.serve.app import ServerThread, build_server, create_app
+from grooves.training.store import CalibrationStore, RunStore
+from grooves.types import Group, Trajectory
+
+runner = CliRunner()
+
+RUBRIC = '''
+task = "Write a headline for the news story."
+good = "Names who did what."
+
+[[criteria]]
+name = "specific"
+weight = 2
+'''
+
+OUTPUTS = ["Mayor opens bridge", "You won't believe this", "Bridge news", "Mayor opens new bridge", "Things"]
+# verdicts on s0..s4: 3 agree, 1 disagree, 1 skip -> agreement 3 / (3 + 1) = 0.75
+VERDICTS = ["agree", "agree", "disagree", "agree", "skip"]
+
+
+def invoke(*args, **kwargs):
+    return runner.invoke(app, [str(a) for a in args], **kwargs)
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    served = build_server("tiny", runs=tmp_path_factory.mktemp("calibrate") / "runs")
+    with ServerThread(create_app(served)) as thread:
+        yield thread.base_url
+    served.engine.stop()
+
+
+@pytest.fixture
+def files(tmp_path):
+    rubric = tmp_path / "rubric.toml"
+    rubric.write_text(RUBRIC)
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"id": f"s{i}", "input": f"Story {i}: the mayor opened a bridge.",
+                                           "output": o}) + "\n" for i, o in enumerate(OUTPUTS)))
+    verdicts = tmp_path / "verdicts.jsonl"
+    verdicts.write_text("".join(json.dumps({"id": f"s{i}", "verdict": v, "note": f"note {i}"}) + "\n"
+                                for i, v in enumerate(VERDICTS)))
+    return rubric, samples, verdicts
+
+
+def closed_port_url() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def scored(ident: str, score: float) -> Scored:
+    return Scored(Sample(ident, "in", f"out {ident}"), score, "failed: timeout" if math.isnan(score) else "ok")
+
+
+def test_agreement_counts_verdicts_and_leaves_failures_out_of_the_rate():
+    batch = [scored("a", 0.9), scored("b", 0.2), scored("c", math.nan), scored("d", 0.5), scored("e", 0.1)]
+    verdicts = [Verdict("a", "agree"), Verdict("b", "agree"), Verdict("c", "agree"), Verdict("d", "disagree"),
+                Verdict("e", "skip")]
+    counts = agreement(batch, verdicts)
+    assert counts == Agreement(agree=2, disagree=1, skipped=1, on_failed=1)
+    assert counts.rate == pytest.approx(2 / 3)  # c's verdict is on a failed sample: not in the rate
+    assert agreement(batch, [Verdict("e", "skip")]).rate is None
+
+
+def test_pick_takes_top_and_bottom_without_overlap_or_failures():
+    batch = [scored("a", 0.9), scored("b", 0.2), scored("c", math.nan), scored("d", 0.5), scored("e", 0.1)]
+    best, worst = pick(batch, top=2, bottom=2)
+    assert [s.sample.id for s in best] == ["a", "d"] and [s.sample.id for s in worst] == ["e", "b"]
+    best, worst = pick(batch, top=3, bottom=3)  # 4 scored samples: the bottom gets what is left
+    assert [s.sample.id for s in best] == ["a", "d", "b"] and [s.sample.id for s in worst] == ["e"]
+
+
+class StubJudge(RewardComponent):
+    """Scores by output: a Score, a Failed, a raise, or a NaN, to check each becomes what it should."""
+
+    async def score_group(self, group):
+        text = group.trajectories[0].completion
+        if text == "raise":
+            raise RuntimeError("boom")
+        return [{"good": Score(0.8, "fine"), "nan": math.nan, "fail": Failed("no usable reply")}[text]]
+
+
+def test_score_samples_turns_every_failure_into_nan_with_its_error():
+    batch = [Sample(str(i), "in", text) for i, text in enumerate(["good", "fail", "raise", "nan"])]
+    results = score_samples(StubJudge("stub"), batch)
+    assert (results[0].score, results[0].reason) == (0.8, "fine")
+    assert all(r.failed for r in results[1:]) and "boom" in results[2].reason
+    assert results[1].reason == "no usable reply"
+
+
+def test_bad_samples_and_verdict_files_name_the_line(tmp_path, files):
+    _, samples, _ = files
+    batch = load_samples(samples)
+    assert [s.id for s in batch] == [f"s{i}" for i in range(5)] and batch[1].output == OUTPUTS[1]
+    cases = [('{"id": "s9", "verdict": "agree"}', "line 1: id 's9' is not a sample"),
+             ('{"id": "s1", "verdict": "yes"}', "line 1: verdict must be one of agree, disagree, skip"),
+             ('{"id": "s1", "verdict": "agree"}\n{"id": "s1", "verdict": "skip"}', "id 's1' appears twice")]
+    for text, message in cases:
+        path = tmp_path / "v.jsonl"
+        path.write_text(text)
+        with pytest.raises(CalibrationError, match=message):
+            load_verdicts(path, batch)
+    (tmp_path / "bad.jsonl").write_text('{"input": "x"}\n')
+    with pytest.raises(CalibrationError, match="line 1: 'output' must be a string"):
+        load_samples(tmp_path / "bad.jsonl")
+
+
+def test_calibrate_on_a_file_records_verdicts_and_agreement_per_rubric_version(files, base_url):
+    rubric, samples, verdicts = files
+    args = ["judge", "calibrate", "--rubric", rubric, "--samples", samples, "--endpoint-url", base_url,
+            "--model", "tiny", "--top", 2, "--bottom", 2, "--verdicts", verdicts]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "agreement 3/4 = 75%" in result.output and "(1 skipped)" in result.output
+    store = CalibrationStore(rubric.with_suffix(".calibration.sqlite"))
+    [row] = store.history()
+    version = Rubric.load(rubric).version
+    assert (row["rubric_version"], row["agreement"], row["scored"], row["failed"]) == (version, 0.75, 5, 0)
+    stored = store.verdicts(row["id"])
+    assert [(v["sample_id"], v["verdict"], v["note"]) for v in stored] == [
+        (f"s{i}", v, f"note {i}") for i, v in enumerate(VERDICTS)]
+    assert stored[1]["output"] == OUTPUTS[1] and 0 <= stored[1]["score"] <= 1
+    rubric.write_text(RUBRIC.replace("weight = 2", "weight = 3"))  # an edit: a new version
+    assert invoke(*args).exit_code == 0
+    versions = [r["rubric_version"] for r in store.history()]
+    assert versions[0] == version and versions[1] == Rubric.load(rubric).version != version
+    history = invoke("judge", "calibrate", "--rubric", rubric, "--samples", samples, "--history")
+    assert history.exit_code == 0 and all(v in history.output for v in versions)
+
+
+def test_judge_failures_show_as_failed_never_zero_and_are_not_counted(files):
+    rubric, samples, verdicts = files
+    result = invoke("judge", "calibrate", "--rubric", rubric, "--samples", samples, "--endpoint-url",
+                    closed_port_url(), "--model", "tiny", "--verdicts", verdicts)
+    assert result.exit_code == 0, result.output
+    assert "judge failed on 5" in result.output and "0.00" not in result.output
+    assert "no agree/disagree verdicts on scored samples" in result.output
+    assert "5 judge failures not counted" in " ".join(result.output.split())
+    [row] = CalibrationStore(rubric.with_suffix(".calibration.sqlite")).history()
+    assert (row["failed"], row["on_failed"], row["agreement"], row["agree"]) == (5, 5, None, 0)
+
+
+def test_interactive_verdicts_on_the_shown_outputs(files, base_url):
+    rubric, samples, _ = files
+    result = invoke("judge", "calibrate", "--rubric", rubric, "--samples", samples, "--endpoint-url", base_url,
+                    "--model", "tiny", "--top", 1, "--bottom", 1, input="a\n\nd\ntoo vague\n")
+    assert result.exit_code == 0, result.output
+    assert "agreement 1/2 = 50%" in result.output
+    store = CalibrationStore(rubric.with_suffix(".calibration.sqlite"))
+    stored = store.verdicts(store.history()[-1]["id"])
+    assert [(v["verdict"], v["note"]) for v in stored] == [("agree", ""), ("disagree", "too vague")]
+
+
+def test_missing_inputs_exit_2(files, tmp_path):
+    rubric, samples, verdicts = files
+    missing = invoke("judge", "calibrate", "--rubric", rubric, "--samples", tmp_path / "nope.jsonl",
+                     "--endpoint-url", "http://127.0.0.1:9/v1", "--model", "tiny")
+    assert missing.exit_code == 2 and "nope.jsonl does not exist" in missing.output
+    no_run = invoke("judge", "calibrate", "--rubric", rubric, "--samples", "ghost@3", "--runs", tmp_path / "runs")
+    assert no_run.exit_code == 2 and "no run 'ghost'" in no_run.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text(RUBRIC.replace("weight = 2", "weight = -1"))
+    invalid = invoke("judge", "calibrate", "--rubric", bad, "--samples", samples)
+    assert invalid.exit_code == 2 and "criteria.0.weight: Input should be greater than 0" in invalid.output
+    no_endpoint = invoke("judge", "calibrate", "--rubric", rubric, "--samples", samples)
+    assert no_endpoint.exit_code == 2 and "--endpoint-url" in no_endpoint.output
+
+
+def _record_run(root, name="myrun"):
+    store = RunStore(root / name)
+    for step in (1, 2):
+        trajectories = [Trajectory(messages=[{"role": "user", "content": f"story {step}.{i}"},
+                                             {"role": "assistant", "content": f"title {step}.{i}"}],
+                                   prompt_ids=[1], completion_ids=[2], completion_mask=[1], logprobs=[0.0])
+                        for i in range(3)]
+        store.record_groups(step, [Group(task={"id": f"t{step}"}, trajectories=trajectories)])
+    store.close()
+    return root / name
+
+
+def test_calibrate_on_a_run_reads_its_trajectories_and_stores_verdicts_in_run_sqlite(files, tmp_path, base_url):
+    rubric, _, _ = files
+    run_dir = _record_run(tmp_path / "runs")
+    store = RunStore(run_dir)
+    ids = [ident for ident, _ in store.read_trajectories(1)]
+    assert store.trajectory_steps() == [1, 2] and len(ids) == 3
+    store.close()
+    verdicts = tmp_path / "run-verdicts.jsonl"
+    verdicts.write_text(json.dumps({"id": ids[0], "verdict": "disagree", "note": "wrong"}) + "\n")
+    result = invoke("judge", "calibrate", "--rubric", rubric, "--samples", "myrun@1", "--runs", tmp_path / "runs",
+                    "--endpoint-url", base_url, "--model", "tiny", "--verdicts", verdicts)
+    assert result.exit_code == 0, result.output
+    assert "agreement 0/1 = 0%" in result.output
+    calibrations = CalibrationStore(run_dir / "run.sqlite")
+    [row] = calibrations.history()
+    assert row["samples"] == "myrun@1" and row["scored"] == 3
+    [stored] = calibrations.verdicts(row["id"])
+    assert (stored["sample_id"], stored["input"], stored["output"]) == (str(ids[0]), "story 1.0", "title 1.0")
+    later = invoke("judge", "calibrate", "--rubric", rubric, "--samples", "myrun@9", "--runs", tmp_path / "runs",
+                   "--endpoint-url", base_url, "--model", "tiny")
+    assert later.exit_code == 2 and "recorded steps: 1 to 2" in later.output
+    history = invoke("judge", "calibrate", "--rubric", rubric, "--samples", "myrun", "--runs", tmp_path / "runs",
+                     "--history")
+    assert history.exit_code == 0 and row["rubric_version"] in history.output
