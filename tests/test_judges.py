@@ -52,7 +52,9 @@ def test_pointwise_reason_score_normalised_and_schema_sent(fault):
     assert t.metadata["reasons"]["quality"] == "mostly right"
     body = fault.requests[0]
     assert body["temperature"] == 0.0 and body["response_format"]["type"] == "json_schema"
-    assert list(body["response_format"]["json_schema"]["schema"]["properties"]) == ["reason", "score"]
+    properties = body["response_format"]["json_schema"]["schema"]["properties"]
+    assert list(properties) == ["reason", "score"]  # the reason comes first
+    assert properties["score"] == {"type": "number", "minimum": 0, "maximum": 10}
     assert "Be accurate." in body["messages"][1]["content"] and "Title for: The cat sat." in body["messages"][1]["content"]
     assert report.counters["quality"]["calls"] == 1 and report.errors == {}
 

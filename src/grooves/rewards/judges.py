@@ -104,6 +104,14 @@ def _reason_schema(max_reason_chars: int) -> dict:
     return {"type": "string", "maxLength": max_reason_chars}
 
 
+def _verdict_schema(max_reason_chars: int, low: float, high: float) -> dict:
+    """Reason first, then the score; the range is in the schema (servers that enforce it, like
+    grooves serve, never send one outside) and checked again on every reply."""
+    return {"type": "object", "properties": {"reason": _reason_schema(max_reason_chars),
+                                             "score": {"type": "number", "minimum": low, "maximum": high}},
+            "required": ["reason", "score"], "additionalProperties": False}
+
+
 class _Judge(RewardComponent):
     """What every judge shares: its client (endpoint, cache, counters) and the input rule."""
 
@@ -142,9 +150,7 @@ class PointwiseJudge(_Judge):
         self.rubric, self.low, self.high, self.normalize = rubric, low, high, normalize
 
     def schema(self) -> dict:
-        return {"type": "object", "properties": {"reason": _reason_schema(self.max_reason_chars),
-                                                 "score": {"type": "number"}},
-                "required": ["reason", "score"], "additionalProperties": False}
+        return _verdict_schema(self.max_reason_chars, self.low, self.high)
 
     async def score_group(self, group: Group) -> list[Score | Failed]:
         async def one(trajectory: Trajectory) -> Score:
@@ -174,9 +180,7 @@ class GroupJudge(_Judge):
         self._rng = random.Random(seed)
 
     def schema(self, ids: list[str]) -> dict:
-        item = {"type": "object", "properties": {"reason": _reason_schema(self.max_reason_chars),
-                                                 "score": {"type": "number"}},
-                "required": ["reason", "score"], "additionalProperties": False}
+        item = _verdict_schema(self.max_reason_chars, 0.0, 1.0)
         return {"type": "object", "properties": {i: item for i in ids}, "required": ids,
                 "additionalProperties": False}
 
