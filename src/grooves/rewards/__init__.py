@@ -17,3 +17,15 @@ __all__ = [
     "PointwiseJudge", "ReplyError", "Reward", "RewardComponent", "RewardReport", "Rubric", "RubricError",
     "Score", "Verifier", "YesNoCheck", "as_reward", "import_object", "supported_by_source",
 ]
+
+_MODELS = ("RewardModel", "RewardModelComponent", "train_reward_model")
+__all__ += list(_MODELS)
+
+
+def __getattr__(name: str):
+    # Reward models pull in numpy and safetensors; load them on first use only.
+    if name in _MODELS:
+        from grooves.rewards import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module 'grooves.rewards' has no attribute {name!r}")
