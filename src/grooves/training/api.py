@@ -63,6 +63,18 @@ def load_policy(config: RunConfig, runs: str | Path | None = None) -> Policy:
     return policy
 
 
+def share_backbones(sets: list[TaskSet], policy: Policy) -> None:
+    """Reward models on the policy's own base score with its weights (adapter off), not a copy."""
+    from grooves.rewards.models import RewardModelComponent
+
+    for task_set in sets:
+        for component in task_set.reward.components:
+            model = getattr(component, "model", None)
+            if (isinstance(component, RewardModelComponent) and model.base is None
+                    and model.config.get("backbone") == policy.base_spec):
+                model.base = (policy.model, policy.tokenizer)
+
+
 def task_sets(config: RunConfig) -> list[TaskSet]:
     """The run's task sets: one from [tasks] and [reward], or one per [[mix]] table."""
     entries = [(m.name, m.tasks, m.reward, m.weight) for m in config.mix] or [("", config.tasks, config.reward, 1.0)]
@@ -78,6 +90,7 @@ def run_config(config: RunConfig, *, runs: str | Path | None = None, out: str | 
     """Run (or resume) the training described by a config, as ``grooves train`` does."""
     sets = task_sets(config)
     policy = load_policy(config, runs)
+    share_backbones(sets, policy)
     run_dir = Path(out) if out else runs_root(runs) / config.name
     return TrainingRun(config, policy, sets, run_dir, resume=resume, progress=progress).run()
 
@@ -122,6 +135,7 @@ def train(
     t = config.tasks
     train_tasks, heldout_tasks = task_splits(tasks, heldout, t.heldout_fraction, config.seed)
     sets = [TaskSet("", train_tasks, heldout_tasks, reward, t.prompt_template, t.system)]
+    share_backbones(sets, policy)
     return TrainingRun(config, policy, sets, runs_root(runs) / config.name, resume=resume,
                        progress=progress).run()
 

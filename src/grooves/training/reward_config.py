@@ -81,6 +81,9 @@ class RewardModelConfig(_Component):
     kind: Literal["reward_model"] = Field("reward_model", description="A learned reward model (grooves rm train).")
     path: str = Field(description="The reward model folder.")
     input: str = Field("{completion}", description="Format string over the completion and task columns.")
+    scale: Literal["z", "sigmoid"] | None = Field(None, description="None: the model's raw score; 'z': "
+                                                  "standardised by its scores on its training rows; 'sigmoid': "
+                                                  "that z mapped into (0, 1).")
 
 
 class GuardConfig(_Component):
@@ -187,7 +190,8 @@ def _build(c, endpoints: dict, cache, base: Path | None):
     if c.kind == "reward_model":
         from grooves.rewards.models import RewardModelComponent
 
-        return RewardModelComponent(c.name or "reward_model", str(_path(c.path, base)), input=c.input, **common)
+        return RewardModelComponent(c.name or "reward_model", str(_path(c.path, base)), input=c.input,
+                                    scale=c.scale, **common)
     guard = {"floor": c.floor, "required": c.required}
     if c.guard == "supported_by_source":
         return supported_by_source(endpoints[c.endpoint], name=c.name or "supported", source=c.source,
