@@ -196,11 +196,12 @@ def demo(
 
 
 def _register_groups() -> None:
-    from grooves.cli import rewards, rm
+    from grooves.cli import review, rewards, rm
 
     app.add_typer(rm.app, name="rm")
     app.add_typer(rewards.rubric_app, name="rubric")
     app.add_typer(rewards.judge_app, name="judge")
+    review.register(app)
 
 
 _register_groups()

@@ -1,9 +1,10 @@
 """The run folder: ``config.toml``, ``metrics.jsonl``, ``run.sqlite`` and ``checkpoints/``.
 
 ``metrics.jsonl`` gets one JSON line per step, flushed as it is written. ``run.sqlite``
-(WAL mode) holds every trajectory with its reward components, and alerts. Resuming from a
-checkpoint at step k first drops whatever was recorded after k, so the resumed run's
-records read as if it had never stopped.
+(WAL mode) holds every trajectory with its reward components, alerts, the human's review
+labels (``grooves review``) and judge calibrations (``grooves judge calibrate``). Resuming
+from a checkpoint at step k first drops whatever was recorded after k (labels of dropped
+trajectories included), so the resumed run's records read as if it had never stopped.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from grooves.types import Group, Trajectory
 
@@ -41,7 +42,24 @@ CREATE TABLE IF NOT EXISTS alerts (
     evidence TEXT NOT NULL,         -- JSON
     created REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS labels (     -- a person's verdict on a sample (grooves review)
+    trajectory_id INTEGER PRIMARY KEY,  -- trajectories.id; relabelling replaces
+    step INTEGER NOT NULL,
+    label TEXT NOT NULL CHECK (label IN ('hack', 'good', 'bad')),
+    note TEXT NOT NULL,
+    created REAL NOT NULL
+);
 """
+
+
+class StoredTrajectory(NamedTuple):
+    """One row of ``trajectories``: its id (what labels point at), where it was recorded, the sample."""
+
+    id: int
+    step: int
+    split: str
+    task_id: str | None
+    trajectory: Trajectory
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -115,6 +133,8 @@ class RunStore:
         with self.db:
             self.db.execute("DELETE FROM trajectories WHERE step > ?", (step,))
             self.db.execute("DELETE FROM alerts WHERE step > ?", (step,))
+            # Row ids of deleted trajectories are handed out again to the resumed run's samples.
+            self.db.execute("DELETE FROM labels WHERE trajectory_id NOT IN (SELECT id FROM trajectories)")
 
     # --- reading trajectories and calibration ----------------------------------------
 
@@ -128,6 +148,58 @@ class RunStore:
         rows = self.db.execute("SELECT id, data FROM trajectories WHERE step = ? AND split = ? ORDER BY id",
                                (step, split))
         return [(ident, Trajectory.from_dict(json.loads(data))) for ident, data in rows]
+
+    def trajectory_records(self, split: str | None = None, steps: list[int] | None = None) -> list[StoredTrajectory]:
+        """Stored trajectories with their row ids, oldest first; ``None`` means every split or step."""
+        query, params = "SELECT id, step, split, task_id, data FROM trajectories WHERE 1", []
+        if split is not None:
+            query, params = query + " AND split = ?", [split]
+        if steps is not None:
+            query += f" AND step IN ({', '.join('?' * len(steps))})"
+            params += list(steps)
+        rows = self.db.execute(query + " ORDER BY id", params)
+        return [StoredTrajectory(ident, step, split_, task_id, Trajectory.from_dict(json.loads(data)))
+                for ident, step, split_, task_id, data in rows]
+
+    def read_alerts(self, steps: list[int] | None = None) -> list[dict[str, Any]]:
+        """Alerts in the order they fired (all, or those at ``steps``), with evidence decoded."""
+        query, params = "SELECT step, detector, severity, message, evidence, created FROM alerts", []
+        if steps is not None:
+            query, params = query + f" WHERE step IN ({', '.join('?' * len(steps))})", list(steps)
+        return [{"step": step, "detector": detector, "severity": severity, "message": message,
+                 "evidence": json.loads(evidence), "created": created}
+                for step, detector, severity, message, evidence, created in
+                self.db.execute(query + " ORDER BY id", params)]
+
+    # --- labels (grooves review) ------------------------------------------------------
+
+    def record_labels(self, labels: list[tuple[int, str, str]]) -> tuple[int, int]:
+        """Store (trajectory id, label, note) triples in one transaction; return (stored, replaced).
+
+        Every id must be a stored trajectory (ValueError naming the unknown ones): a label
+        without its sample would be a verdict on nothing.
+        """
+        ids = sorted({ident for ident, _, _ in labels})
+        steps = dict(self.db.execute(f"SELECT id, step FROM trajectories WHERE id IN ({', '.join('?' * len(ids))})",
+                                     ids)) if ids else {}
+        unknown = [ident for ident in ids if ident not in steps]
+        if unknown:
+            raise ValueError(f"no trajectory with id {', '.join(map(str, unknown))} in {self.dir / 'run.sqlite'}")
+        replaced = self.db.execute(f"SELECT COUNT(*) FROM labels WHERE trajectory_id IN "
+                                   f"({', '.join('?' * len(ids))})", ids).fetchone()[0] if ids else 0
+        now = time.time()
+        with self.db:
+            self.db.executemany("INSERT OR REPLACE INTO labels (trajectory_id, step, label, note, created) "
+                                "VALUES (?, ?, ?, ?, ?)",
+                                [(ident, steps[ident], label, note, now) for ident, label, note in labels])
+        return len(labels), replaced
+
+    def read_labels(self) -> dict[int, dict[str, Any]]:
+        """Labels by trajectory id, with the sample's step and split; only those whose sample is stored."""
+        rows = self.db.execute("SELECT l.trajectory_id, t.step, t.split, l.label, l.note, l.created FROM labels l "
+                               "JOIN trajectories t ON t.id = l.trajectory_id ORDER BY l.trajectory_id")
+        return {ident: {"step": step, "split": split, "label": label, "note": note, "created": created}
+                for ident, step, split, label, note, created in rows}
 
     def calibrations(self) -> CalibrationStore:
         """Judge calibrations (verdicts and agreement) kept in this run's run.sqlite."""
