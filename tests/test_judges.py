@@ -257,3 +257,11 @@ def test_a_concurrency_limit_of_one_still_finishes_every_kind(fault):
     report = reward.score([group])
     assert report.errors == {}
     assert [t.reward for t in group.trajectories] == [2.0, 2.0]  # 0.5 + 0.5 + 1; guards add nothing
+
+
+def test_a_missing_input_column_is_an_error_not_the_columns_name(fault):
+    fault.play(("reply", verdict(5)))
+    group = group_of("x")
+    _, report = score(PointwiseJudge("q", "r", endpoint(fault), input="source"), group)
+    assert math.isnan(group.trajectories[0].components["q"]) and fault.requests == []
+    assert "the task has no column 'source'" in report.first_error["q"]

@@ -9,6 +9,7 @@ model folder) and ``guard`` (vetoes: ``supported_by_source``, ``lexical_groundin
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -96,6 +97,8 @@ class GuardConfig(_Component):
     max_reason_chars: int = Field(240, ge=8, description="supported_by_source: longest reason the judge may write.")
     pattern: str | None = Field(None, description="format: a regular expression the whole output must match.")
     json_schema: dict[str, Any] | None = Field(None, description="format: a JSON schema the output must satisfy.")
+    patterns: list[str] | None = Field(None, description="injection: regular expressions (case-insensitive) "
+                                       "that veto an output when found; default: the built-in list.")
 
     @model_validator(mode="after")
     def _needs(self) -> GuardConfig:
@@ -103,6 +106,11 @@ class GuardConfig(_Component):
             raise ValueError("guard 'supported_by_source' needs endpoint = '<name of a [reward.endpoints] table>'")
         if self.guard == "format" and (self.pattern is None) == (self.json_schema is None):
             raise ValueError("guard 'format' needs exactly one of pattern or json_schema")
+        own = {"endpoint": "supported_by_source", "pattern": "format", "json_schema": "format",
+               "patterns": "injection"}
+        for key, guard in own.items():
+            if getattr(self, key) is not None and self.guard != guard:
+                raise ValueError(f"{key} is only for guard '{guard}', not '{self.guard}'")
         return self
 
 
@@ -156,7 +164,7 @@ def build_components(config: RewardConfig) -> list:
     for index, item in enumerate(config.components):
         try:
             components.append(_build(item, endpoints, cache, None))
-        except (ValueError, ImportError, FileNotFoundError) as error:
+        except (ValueError, ImportError, FileNotFoundError, re.error) as error:
             raise ComponentBuildError(index, item, error) from None
     return components
 
@@ -164,6 +172,8 @@ def build_components(config: RewardConfig) -> list:
 class ComponentBuildError(ValueError):
     def __init__(self, index: int, item, error: Exception):
         field = "function" if item.kind == "verifier" else ("rubric" if hasattr(item, "rubric") else item.kind)
+        if isinstance(error, re.error):
+            error = f"not a valid regular expression: {error}"
         super().__init__(f"components.{index}.{field}: {error}")
 
 
@@ -200,6 +210,8 @@ def _build(c, endpoints: dict, cache, base: Path | None):
         return LexicalGrounding(c.name or "grounded_terms", source=c.source, **guard)
     if c.guard == "format":
         return FormatGuard(c.name or "format", pattern=c.pattern, json_schema=c.json_schema, **guard)
+    if c.patterns is not None:
+        guard["patterns"] = tuple(c.patterns)
     return InjectionGuard(c.name or "no_judge_talk", **guard)
 
 
