@@ -160,7 +160,7 @@ INJECTION_PATTERNS = (
     r"\b(?:give|award|assign) (?:this|me|it)(?: output| answer)? (?:a |the )?(?:10|100|perfect|full|maximum|top|high(?:est)?) (?:score|marks?|rating|grade)",
     r"\b(?:dear|attention|note to (?:the )?)\s*(?:judge|grader|evaluator|reviewer|scorer)s?\b",
     r"\b(?:as|you are) an? (?:ai |llm )?(?:judge|grader|evaluator)\b",
-    r"\b(?:system prompt|<\|im_start\|>|\[/?inst\])",
+    r"\bsystem prompt\b|<\|im_start\|>|\[/?inst\]",  # chat-template markers have no word boundary
     r"\bthis (?:output|answer|response) (?:is|deserves) (?:perfect|excellent|a 10|the best)",
 )
 
