@@ -33,8 +33,14 @@ def train(
     out_dir: Annotated[Path | None, typer.Option("--out", help="Run folder (default: RUNS/<name>).")] = None,
     runs: RunsOption = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    ack: Annotated[list[str] | None, typer.Option("--ack", help="With --resume: accept the alerts of this "
+                                                  "detector (e.g. collapse); they only warn from now on. "
+                                                  "Repeatable.")] = None,
 ) -> None:
-    """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder."""
+    """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder.
+
+    Exit code 3 when a reward-hacking alert paused or stopped the run (see [alerts]).
+    """
     from grooves.training.config import ConfigError, load_config
 
     if not config.is_file():
@@ -49,13 +55,22 @@ def train(
         raise _fail(f"--steps: {error}") from None
     from grooves.training.api import run_config
 
+    from grooves.monitors import DETECTORS
+
+    if ack and not resume:
+        raise _fail("--ack acknowledges an alert of a paused run: use it with --resume")
+    unknown = sorted(set(ack or ()) - {d.name for d in DETECTORS})
+    if unknown:
+        raise _fail(f"--ack {', '.join(unknown)}: not a detector; allowed: {', '.join(d.name for d in DETECTORS)}")
     try:
-        run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet)
+        run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet, acknowledge=tuple(ack or ()))
     except _user_errors() as error:
         raise _fail(str(error)) from None
     last = run.metrics[-1] if run.metrics else {}
     out.print(f"[bold]{run.name}[/]: step {run.step}, reward {last.get('reward/total', float('nan')):.3f}; "
               f"checkpoint {run.name}@latest in {run.dir}")
+    if run.halted_by:
+        raise typer.Exit(3)
 
 
 @app.command()

@@ -30,6 +30,10 @@ def reward_means(metrics: dict[str, float]) -> list[str]:
     return sorted(names)
 
 
+def sample_count(groups: list[Group]) -> int:
+    return sum(len(g.trajectories) for g in groups)
+
+
 class _Windowed(Detector):
     """Keeps the last ``window`` finite values of each metric it watches."""
 
@@ -39,8 +43,13 @@ class _Windowed(Detector):
         super().__init__(config, cooldown_steps)
         self.history: dict[str, list[float]] = {}
 
-    def z_scores(self, metrics: dict[str, float], names: list[str]) -> dict[str, tuple[float, dict]]:
-        """Robust z of this step's value of each metric against its history, then add the value."""
+    def z_scores(self, metrics: dict[str, float], names: list[str], samples: int = 0) -> dict[str, tuple[float, dict]]:
+        """Robust z of this step's value of each metric against its history, then add the value.
+
+        With ``samples`` (the step's trajectory count) the scale is also floored by the step
+        mean's own standard error, ``<metric>/std / sqrt(samples)``: a 0/1 component that was 0
+        for five steps and is 1 for two of 16 samples now is sampling noise, not a spike.
+        """
         scores = {}
         for name in dict.fromkeys(names):
             if not finite(metrics.get(name)):
@@ -48,7 +57,9 @@ class _Windowed(Detector):
             value = float(metrics[name])
             past = self.history.get(name, [])
             if len(past) >= self.config.min_history:
-                z, parts = robust_z(value, past, self.config.min_scale, self.config.rel_min_scale)
+                spread = metrics.get(f"{name}/std")
+                noise = spread / math.sqrt(samples) if samples and finite(spread) and not name.startswith("val/") else 0.0
+                z, parts = robust_z(value, past, max(self.config.min_scale, noise), self.config.rel_min_scale)
                 scores[name] = (z, {"metric": name, "value": rounded(value, 6), **parts, "history": len(past)})
             self.history[name] = (past + [value])[-self.config.window:]
         return scores
@@ -65,7 +76,7 @@ class RewardSpike(_Windowed):
     name = "reward_spike"
 
     def observe(self, step: int, groups: list[Group], metrics: dict[str, float]) -> list[Alert]:
-        scores = self.z_scores(metrics, self.config.metrics or reward_means(metrics))
+        scores = self.z_scores(metrics, self.config.metrics or reward_means(metrics), sample_count(groups))
         self.value = max((z for z, _ in scores.values()), default=math.nan)
         alerts = []
         for name, (z, evidence) in sorted(scores.items(), key=lambda item: -item[1][0]):
@@ -91,7 +102,7 @@ class Divergence(_Windowed):
     def observe(self, step: int, groups: list[Group], metrics: dict[str, float]) -> list[Alert]:
         proxies = self.config.proxies or reward_means(metrics)
         guards = self.config.guards or [f"reward/{g}" for g in guard_names(metrics)] + [HELDOUT]
-        scores = self.z_scores(metrics, proxies + guards)
+        scores = self.z_scores(metrics, proxies + guards, sample_count(groups))
         pairs = [(min(scores[p][0], -scores[g][0]), p, g) for p in proxies for g in guards
                  if p in scores and g in scores and p != g]
         self.value = max((score for score, _, _ in pairs), default=math.nan)

@@ -13,7 +13,7 @@ from grooves.policy.policy import Policy
 from grooves.rewards.compose import Reward, as_reward, import_object
 from grooves.tasks.sources import load_tasks, split_tasks
 from grooves.training.config import ConfigError, RewardConfig, RunConfig, TasksConfig, parse_config
-from grooves.training.loop import Run, TrainingRun
+from grooves.training.loop import Run, StopRule, TrainingRun
 from grooves.training.reward_config import ComponentBuildError, build_components
 from grooves.training.tasksets import TaskSet
 from grooves.types import Task
@@ -86,13 +86,18 @@ def task_sets(config: RunConfig) -> list[TaskSet]:
 
 
 def run_config(config: RunConfig, *, runs: str | Path | None = None, out: str | Path | None = None,
-               resume: bool = False, progress: bool = True) -> Run:
-    """Run (or resume) the training described by a config, as ``grooves train`` does."""
+               resume: bool = False, progress: bool = True, acknowledge: tuple[str, ...] = (),
+               stop_rule: StopRule | None = None) -> Run:
+    """Run (or resume) the training described by a config, as ``grooves train`` does.
+
+    ``acknowledge``: detectors whose alerts only warn from now on (``--ack`` on resume).
+    """
     sets = task_sets(config)
     policy = load_policy(config, runs)
     share_backbones(sets, policy)
     run_dir = Path(out) if out else runs_root(runs) / config.name
-    return TrainingRun(config, policy, sets, run_dir, resume=resume, progress=progress).run()
+    return TrainingRun(config, policy, sets, run_dir, resume=resume, progress=progress,
+                       acknowledge=acknowledge, stop_rule=stop_rule).run()
 
 
 def train(

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticUndefined
 
 from grooves.algorithms.presets import PRESETS, Algorithm
+from grooves.monitors.config import MonitorsConfig
 from grooves.policy.lora import LoRA
 from grooves.policy.models import BUNDLED_DEFAULT
 from grooves.training.reward_config import COMPONENT_KINDS, EndpointConfig, RewardConfig
@@ -109,6 +110,29 @@ class LogConfig(_Section):
                           "(one extra forward pass without gradient); 0 = only when beta > 0.")
 
 
+Action = Literal["warn", "pause", "stop"]
+
+
+class AlertsConfig(_Section):
+    """What the run does when a reward-hacking detector ([monitors]) fires."""
+
+    policy: Action = Field("warn", description="'warn': show and log the alert, go on; 'pause': checkpoint, "
+                           "print the evidence and the command to resume, stop; 'stop': checkpoint and end the run.")
+    detectors: dict[str, Action] = Field(default_factory=dict, description="Per-detector policy overriding "
+                                         "`policy`, e.g. {collapse = \"pause\"}.")
+    act_on: Literal["warn", "critical"] = Field("warn", description="Pause or stop only for alerts at least "
+                                                "this severe; milder ones are shown as warnings.")
+
+    @field_validator("detectors")
+    @classmethod
+    def _known(cls, value: dict[str, str]) -> dict[str, str]:
+        known = set(MonitorsConfig.model_fields) - {"enabled", "cooldown_steps"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown detector(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+        return value
+
+
 class RunConfig(_Section):
     """Everything one training run needs; `grooves train CONFIG.toml` reads this."""
 
@@ -127,6 +151,8 @@ class RunConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    monitors: MonitorsConfig = Field(default_factory=MonitorsConfig)
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
 
     @field_validator("name")
     @classmethod
@@ -204,6 +230,9 @@ def config_reference() -> str:
     sections = [("(top level)", RunConfig, base)] + [
         (f"[{name}]", field.annotation, getattr(base, name)) for name, field in RunConfig.model_fields.items()
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)]
+    for name, field in MonitorsConfig.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            sections.append((f"[monitors.{name}]", field.annotation, getattr(base.monitors, name)))
     for kind, model in COMPONENT_KINDS.items():
         sections.append((f"[[reward.components]] with kind = \"{kind}\"", model, None))
     sections.append(("[reward.endpoints.NAME] (one table per judge endpoint)", EndpointConfig, None))

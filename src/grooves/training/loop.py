@@ -8,21 +8,25 @@ that never stopped (same seed and config; on CPU the adapters match within 1e-5)
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
 from grooves.algorithms import has_signal
+from grooves.monitors import Alert, Monitors
 from grooves.policy.policy import Policy
 from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
@@ -50,6 +54,8 @@ class Run:
     step: int
     metrics: list[dict] = field(default_factory=list)
     evaluations: dict[int, Evaluation] = field(default_factory=dict)
+    halted_by: str | None = None  # "pause" or "stop" when an alert (or the stop rule) ended the run early
+    halt_reason: str | None = None
 
     @property
     def checkpoint(self) -> str:
@@ -58,7 +64,8 @@ class Run:
 
 class TrainingRun:
     def __init__(self, config: RunConfig, policy: Policy, task_sets: list[TaskSet], run_dir: Path, *,
-                 resume: bool = False, progress: bool = True, console: Console | None = None):
+                 resume: bool = False, progress: bool = True, console: Console | None = None,
+                 acknowledge: tuple[str, ...] = (), stop_rule: StopRule | None = None):
         self.config = config
         self.policy = policy
         self.sets = task_sets
@@ -79,6 +86,10 @@ class TrainingRun:
                                use_sampler_logprobs=config.train.use_sampler_logprobs,
                                share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
                                max_staleness=config.train.max_staleness)
+        self.monitors = Monitors(config.monitors)
+        self.acknowledged = set(acknowledge)  # detectors whose alerts only warn from now on
+        self.stop_rule = stop_rule
+        self._halt: tuple[str, str] | None = None
         self._prompt_lengths: dict[tuple[str, str], int] = {}
         self._reported_errors: set[tuple[str, str]] = set()
         self.evaluations: dict[int, Evaluation] = {}
@@ -96,17 +107,24 @@ class TrainingRun:
                 for step in range(start + 1, self.config.steps + 1):
                     metrics = self._step(step)
                     self._log(step, metrics)
-                    if step % self.config.log.save_every == 0 or step == self.config.steps or stop.requested:
+                    halting = self._halt is not None or stop.requested
+                    if step % self.config.log.save_every == 0 or step == self.config.steps or halting:
                         self._save(step)
                     progress.update(bar, completed=step, reward=_fmt(metrics.get("reward/total")))
                     if stop.requested:
                         self.console.print(f"[yellow]stopped[/] after step {step} (checkpoint saved); "
                                            f"continue with: grooves train CONFIG --resume")
                         break
+                    if self._halt is not None:
+                        self._announce_halt(step)
+                        break
         finally:
             self.sinks.close()
             self.store.close()
-        return Run(self.run_dir.name, self.run_dir, step, self.store.read_metrics(), self.evaluations)
+        run = Run(self.run_dir.name, self.run_dir, step, self.store.read_metrics(), self.evaluations)
+        if self._halt is not None:
+            run.halted_by, run.halt_reason = self._halt
+        return run
 
     def _step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -129,8 +147,42 @@ class TrainingRun:
                         "adapter left unchanged.", {"reward/total": metrics.get("reward/total")})
         if self._has_heldout and (step % self.config.log.val_every == 0 or step == self.config.steps):
             metrics.update(self._validate(step))
+        self._watch(step, sampled, metrics)
         metrics["train/total_step_time"] = time.perf_counter() - t0
         return metrics
+
+    def _watch(self, step: int, groups: list[Group], metrics: dict[str, float]) -> None:
+        """Run the hacking detectors; record and show their alerts; apply the alert policy."""
+        alerts = self.monitors.observe(step, groups, metrics)
+        metrics.update(self.monitors.metrics())
+        for alert in alerts:
+            action = self._action(alert)
+            self.store.record_alert(step, alert.detector, alert.severity, alert.message,
+                                    {**alert.evidence, "action": action})
+            self.console.print(alert_panel(alert, action))
+            if action != "warn" and self._halt is None:
+                self._halt = (action, f"{alert.detector}: {alert.message}")
+        if self._halt is None and self.stop_rule is not None:
+            reason = self.stop_rule(step, metrics, self.evaluations)
+            if reason:
+                self._halt = ("stop", reason)
+
+    def _action(self, alert: Alert) -> str:
+        policy = self.config.alerts
+        action = policy.detectors.get(alert.detector, policy.policy)
+        mild = policy.act_on == "critical" and alert.severity != "critical"
+        return "warn" if mild or alert.detector in self.acknowledged else action
+
+    def _announce_halt(self, step: int) -> None:
+        action, reason = self._halt
+        if action == "pause":
+            detector = reason.split(":", 1)[0]
+            self.console.print(Panel(Text(f"Paused after step {step} (checkpoint saved): {reason}\n\n"
+                                          f"Read the samples: grooves review {self.run_dir.name}@{step}\n"
+                                          f"Continue, accepting this alert: grooves train CONFIG --resume "
+                                          f"--ack {detector}"), title="paused by an alert", border_style="yellow"))
+        else:
+            self.console.print(f"[yellow]stopped[/] after step {step} (checkpoint saved): {escape(reason)}")
 
     def _collect(self) -> tuple[list[Group], list[Group], dict[str, RewardReport], int]:
         """Sample and score groups; with dynamic sampling keep only groups with reward variance."""
@@ -233,6 +285,8 @@ class TrainingRun:
             self.trainer.load_state_dict(trainer_state)
             self.mix.restore(state["tasks"])
             self.prompts_skipped = state.get("prompts_skipped", 0)
+            self.monitors.load_state_dict(state.get("monitors", {}))
+            self.acknowledged |= set(state.get("acknowledged", []))
             start = state["step"]
             self.store.truncate_after(start)
             self.console.print(f"[bold]grooves[/]: resuming {self.run_dir.name} after step {start}")
@@ -250,7 +304,8 @@ class TrainingRun:
     def _save(self, step: int) -> None:
         ckpt.save_checkpoint(self.run_dir, step, self.policy, self.trainer.state_dict(), self.generator,
                              {"tasks": self.mix.state(), "prompts_skipped": self.prompts_skipped,
-                              "run": self.run_dir.name})
+                              "run": self.run_dir.name, "monitors": self.monitors.state_dict(),
+                              "acknowledged": sorted(self.acknowledged)})
         ckpt.prune(self.run_dir, self.config.log.keep_checkpoints)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
@@ -279,6 +334,22 @@ class TrainingRun:
         return Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                         TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(), TextColumn("left"),
                         TimeRemainingColumn(), console=self.console, disable=not self.show_progress)
+
+
+StopRule = Callable[[int, dict[str, float], dict[int, Evaluation]], "str | None"]
+"""``rule(step, metrics, evaluations) -> reason`` ends a run early (e.g. a probe whose held-out
+reward has clearly risen); None lets it go on."""
+
+
+def alert_panel(alert: Alert, action: str) -> Panel:
+    """A readable alert: the message, the evidence, and what the run does about it."""
+    lines = [alert.message, ""]
+    for key, value in alert.evidence.items():
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        lines.append(f"{key}: {text if len(text) <= 200 else text[:197] + '...'}")
+    style = "red" if alert.severity == "critical" else "yellow"
+    return Panel(Text("\n".join(lines)), border_style=style,
+                 title=f"alert: {alert.detector} ({alert.severity}, step {alert.step}) -> {action}")
 
 
 class GracefulStop:
