@@ -74,6 +74,48 @@ def train(
 
 
 @app.command()
+def probe(
+    config: Annotated[Path, typer.Argument(help="Run configuration (TOML) to probe; see docs/config.md.")],
+    steps: Annotated[int, typer.Option(min=1, help="Step budget (the config's steps if fewer).")] = 40,
+    k: Annotated[int, typer.Option("--k", min=1, help="Samples shown in each of top, bottom and random.")] = 5,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the probe from its last checkpoint.")] = False,
+    ack: Annotated[list[str] | None, typer.Option("--ack", help="With --resume: accept this detector's "
+                                                  "alerts (repeatable).")] = None,
+    runs: RunsOption = None,
+) -> None:
+    """Train a short probe (<NAME>-probe), stop early on an alert or a clear held-out gain, then review.
+
+    The probe validates and checkpoints at least every 10 steps and pauses on any alert; it
+    stops early once the held-out reward beats step 0 by more than 2 standard errors of the
+    per-task differences (from step 10 on). Then it prints the top, bottom and random
+    samples of its last step with every reward component, reason and veto.
+    """
+    from grooves.cli.review import review
+    from grooves.policy.checkpoints import runs_root
+    from grooves.training.api import run_config
+    from grooves.training.config import ConfigError, load_config
+    from grooves.training.probe import heldout_rose, probe_config
+
+    if not config.is_file():
+        raise _fail(f"config file {config} does not exist")
+    try:
+        cfg = probe_config(load_config(config), steps)
+    except ConfigError as error:
+        raise _fail(f"invalid config {config}:\n{error}") from None
+    try:
+        run = run_config(cfg, runs=runs, resume=resume, acknowledge=tuple(ack or ()), stop_rule=heldout_rose())
+    except _user_errors() as error:
+        raise _fail(str(error)) from None
+    why = run.halt_reason or f"the budget of {cfg.steps} steps is spent"
+    out.print(f"[bold]{run.name}[/]: probed {run.step} steps; stopped because {why}", highlight=False)
+    review(run.name, step=[run.step], k=k, runs=runs_root(runs))
+    out.print(f"Next: label what you see (grooves review {run.name} --label), add a guard for a hack "
+              f"(grooves guard suggest {run.name}), or train long (grooves train {config}).", highlight=False)
+    if run.halted_by == "pause":
+        raise typer.Exit(3)
+
+
+@app.command()
 def sample(
     model: Annotated[str, typer.Argument(help="Model spec (bundled:smollm2-135m-instruct, tiny, a folder, a hub "
                                          "id) or a checkpoint RUN@STEP / RUN@latest.")],
