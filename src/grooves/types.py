@@ -20,13 +20,14 @@ Task = dict[str, Any]
 """One task: a ``prompt`` (a string or a list of messages) plus any extra columns by name."""
 
 
-def _nan_to_none(value: Any) -> Any:
+def nan_to_none(value: Any) -> Any:
+    """NaN (a failed value) as None, inside dicts and lists too, so JSON stays strict."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
-        return {k: _nan_to_none(v) for k, v in value.items()}
+        return {k: nan_to_none(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_nan_to_none(v) for v in value]
+        return [nan_to_none(v) for v in value]
     return value
 
 
@@ -75,7 +76,7 @@ class Trajectory:
         return self.finish_reason == "length"
 
     def to_dict(self) -> dict[str, Any]:
-        return _nan_to_none(asdict(self))
+        return nan_to_none(asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
@@ -102,9 +103,9 @@ class Group:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "task": _nan_to_none(self.task),
+            "task": nan_to_none(self.task),
             "trajectories": [t.to_dict() for t in self.trajectories],
-            "metadata": _nan_to_none(self.metadata),
+            "metadata": nan_to_none(self.metadata),
         }
 
     @classmethod

@@ -41,19 +41,9 @@ from grooves.rewards.rm_fit import (  # noqa: F401  (re-exported: the RM API is 
     transform_targets,
 )
 from grooves.rewards.runner import in_thread
-from grooves.types import Group
+from grooves.types import Group, nan_to_none
 
 FORMAT = "grooves-reward-model"
-
-
-def _nan_to_none(value: Any) -> Any:
-    if isinstance(value, float) and value != value:
-        return None
-    if isinstance(value, dict):
-        return {k: _nan_to_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_nan_to_none(v) for v in value]
-    return value
 SCALES = (None, "z", "sigmoid")
 
 
@@ -179,7 +169,7 @@ class RewardModel:
         try:
             save_file({k: np.ascontiguousarray(v) for k, v in self.head.items()}, str(tmp / "head.safetensors"))
             # NaN (e.g. the correlation of a constant prediction) is written as null: strict JSON.
-            (tmp / "reward_model.json").write_text(json.dumps(_nan_to_none(self.config), indent=2) + "\n")
+            (tmp / "reward_model.json").write_text(json.dumps(nan_to_none(self.config), indent=2) + "\n")
             old = folder.with_name(tmp.name + "-old")
             if folder.exists():
                 os.replace(folder, old)
