@@ -53,6 +53,16 @@ def test_weight_zero_is_logged_only():
     assert group.trajectories[0].reward == 1.0 and group.trajectories[0].components["metric"] == 7.0
 
 
+def test_a_failing_metric_only_component_does_not_cost_the_trajectory():
+    def broken():
+        raise RuntimeError("down")
+
+    group = group_of("x")
+    report = Reward([Component("real", lambda completion: 1.0), Component("metric", broken, weight=0)]).score([group])
+    assert group.trajectories[0].reward == 1.0 and math.isnan(group.trajectories[0].components["metric"])
+    assert report.errors == {"metric": 1}
+
+
 def test_missing_argument_is_an_error_with_the_columns():
     reward = Reward([Component("needs", lambda label: 1.0)])
     group = group_of("x")

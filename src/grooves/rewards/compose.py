@@ -242,12 +242,14 @@ class Reward:
             return min(c.floor for c in self.components if c.name in vetoes)
         total = 0.0
         for component in self.components:
+            if component.weight == 0 and not component.veto:
+                continue  # a logged metric only: its failure does not cost the trajectory
             value = components.get(component.name, math.nan)
             if math.isnan(value):
                 if component.required:
-                    return math.nan
+                    return math.nan  # a guard that errored vetoes nothing but leaves the trajectory out
                 continue
-            if component.weight != 0 and not component.veto:
+            if not component.veto:
                 total += component.weight * value
         return total
 
