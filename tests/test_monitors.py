@@ -99,7 +99,7 @@ def test_collapse_ignores_agreement_within_one_task_and_pairs_of_tasks():
 def test_source_insensitivity_margin_by_hand():
     a, b = "alpha bravo charlie delta", "echo foxtrot golf hotel"
     baseline = [group("a", "Alpha bravo", source=a), group("b", "Echo zulu", source=b)]
-    detector = SourceInsensitivity(SourceInsensitivityConfig(baseline_steps=1))
+    detector = SourceInsensitivity(SourceInsensitivityConfig(min_tasks=2, baseline_steps=1))
     # own overlaps 2/2 and 1/2 (stems alpha, bravo | echo, zulu); cross overlaps 0 -> margin 0.75
     assert detector.observe(1, baseline, {}) == []
     assert detector.value == pytest.approx(0.75) and detector.early == [pytest.approx(0.75)]
@@ -109,7 +109,7 @@ def test_source_insensitivity_margin_by_hand():
     assert alert.evidence["baseline"] == 0.75 and alert.evidence["insensitive_outputs"] == 1
     assert alert.evidence["examples"][0]["id"] == "b#0"
     # own (1, 3/5) vs cross (0, 2/5): margin 0.6, above 0.6 * 0.75 = 0.45, quiet
-    detector = SourceInsensitivity(SourceInsensitivityConfig(baseline_steps=1))
+    detector = SourceInsensitivity(SourceInsensitivityConfig(min_tasks=2, baseline_steps=1))
     detector.observe(1, baseline, {})
     half = [group("a", "alpha bravo", source=a), group("b", "echo foxtrot golf alpha bravo", source=b)]
     assert detector.observe(2, half, {}) == [] and detector.value == pytest.approx(0.6)
@@ -121,11 +121,11 @@ def test_source_insensitivity_margin_by_hand():
 
 
 def test_source_insensitivity_needs_two_tasks_and_an_armed_baseline():
-    detector = SourceInsensitivity(SourceInsensitivityConfig(baseline_steps=1, source="text"))
+    detector = SourceInsensitivity(SourceInsensitivityConfig(min_tasks=2, baseline_steps=1, source="text"))
     one = Group(task={"id": "a", "text": "alpha"}, trajectories=group("a", "zulu").trajectories)
     assert detector.observe(1, [one], {}) == [] and math.isnan(detector.value)
     maths = [group("a", "42", source="What is 6 times 7?"), group("b", "12", source="What is 3 times 4?")]
-    detector = SourceInsensitivity(SourceInsensitivityConfig(baseline_steps=1))
+    detector = SourceInsensitivity(SourceInsensitivityConfig(min_tasks=2, baseline_steps=1))
     for step in range(1, 4):  # answers never quote their question: never armed, never alerts
         assert detector.observe(step, maths, {}) == []
 
@@ -294,3 +294,11 @@ def test_state_is_json_and_rejects_other_versions():
     assert state["detectors"]["collapse"]["fired"] == {"text:" + normalise(FAKE): [1, "critical"]}
     with pytest.raises(ValueError, match="version"):
         Monitors().load_state_dict({**state, "version": 99})
+
+
+def test_source_insensitivity_is_silent_below_min_tasks():
+    """Two tasks give one cross comparison: too noisy (the clean demo raised a false alert)."""
+    a, b = "alpha bravo charlie delta", "echo foxtrot golf hotel"
+    detector = SourceInsensitivity(SourceInsensitivityConfig(baseline_steps=1))
+    two = [group("a", "Alpha bravo", source=a), group("b", "Echo zulu", source=b)]
+    assert detector.observe(1, two, {}) == [] and math.isnan(detector.value) and detector.early == []

@@ -45,8 +45,11 @@ class SourceInsensitivityConfig(_Section):
 
     source: str | None = Field(None, description="Task column (or format string over the columns) holding "
                                "the source text; None = the user message before the completion.")
+    min_tasks: int = Field(3, ge=2, description="Fewest tasks a step needs for a margin: with two, the "
+                           "cross overlap is a single comparison and too noisy (on the clean demo, 2 tasks per "
+                           "step, it raised a false alert).")
     baseline_steps: int = Field(5, ge=1, description="The baseline is the median margin of the first this "
-                                "many steps that have at least two tasks.")
+                                "many steps that have at least `min_tasks` tasks.")
     armed_above: float = Field(0.15, ge=0, description="Alert only when the baseline margin is at least this "
                                "(outputs clearly depended on their source); tasks whose outputs do not quote "
                                "their input, such as maths answers, never arm the detector.")

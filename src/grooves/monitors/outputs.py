@@ -78,7 +78,7 @@ class SourceInsensitivity(Detector):
     """Outputs stop depending on their input: they overlap other tasks' sources as much as their own.
 
     margin = mean over outputs of (overlap with the own source) - mean of (mean overlap with
-    each other task's source), overlaps on content stems. It needs two tasks in the step.
+    each other task's source), overlaps on content stems. It needs ``min_tasks`` tasks in the step.
     """
 
     name = "source_insensitivity"
@@ -94,7 +94,7 @@ class SourceInsensitivity(Detector):
             if group.trajectories:
                 source = judge_input(group.trajectories[0], group, self.config.source)
                 sources.setdefault(task_key(group, k), content_stems(source))
-        if len(sources) < 2:
+        if len(sources) < self.config.min_tasks:
             self.value = math.nan
             return []
         own, cross, insensitive = [], [], []
