@@ -91,7 +91,21 @@ def test_collapse_ignores_agreement_within_one_task_and_pairs_of_tasks():
     two_tasks = [group("a", "Python standard library"), group("b", "Python standard library"),
                  group("c", "HTTP servers"), group("d", "Regular expressions")]
     assert detector.observe(2, two_tasks, {}) == [] and detector.value == 0.5  # below min_tasks = 3
-    assert detector.observe(3, [group("a", FAKE, FAKE)], {}) == [] and math.isnan(detector.value)
+    # One task alone is pooled with step 2's four: "Python standard library" still spans 2 of 4.
+    assert detector.observe(3, [group("a", FAKE, FAKE)], {}) == [] and detector.value == 0.5
+    assert math.isnan(Collapse(CollapseConfig()).observe(1, [group("a", FAKE, FAKE)], {}) or math.nan)
+
+
+def test_collapse_pools_recent_steps_when_a_step_has_few_tasks():
+    """One task per step (a common CPU setting): the same headline for four stories in a row."""
+    detector = Collapse(CollapseConfig())
+    fired = []
+    for step, task in enumerate("wxyz", start=1):
+        fired += detector.observe(step, [group(task, FAKE, "Something about " + task)], {})
+    [alert] = fired
+    assert alert.step == 3 and alert.evidence["tasks"] == 3 and alert.severity == "critical"  # min_tasks = 3
+    assert alert.evidence["examples"][0] == "y#0" and "w#0@earlier" in alert.evidence["examples"]
+    assert Collapse(CollapseConfig(pool_steps=1)).observe(1, [group("w", FAKE)], {}) == []
 
 
 # --- source insensitivity ------------------------------------------------------------------------

@@ -36,6 +36,10 @@ class CollapseConfig(_Section):
     ngram: int = Field(3, ge=1, description="Length of the character n-grams compared.")
     min_tasks: int = Field(3, ge=2, description="Fewest distinct tasks that must share one output before it "
                            "alerts (samples of one task agreeing with each other never count).")
+    pool_tasks: int = Field(4, ge=2, description="Pool the outputs of recent steps until they cover at least "
+                            "this many distinct tasks (a run with 1 or 2 tasks per step still shows a shared "
+                            "output); steps with this many tasks are judged alone.")
+    pool_steps: int = Field(4, ge=1, description="Most steps pooled (the current one included).")
     warn_above: float = Field(0.3, gt=0, le=1, description="Warn when this share of the step's tasks share one output.")
     critical_above: float = Field(0.6, gt=0, le=1, description="Critical at this share of the step's tasks.")
 

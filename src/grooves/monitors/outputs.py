@@ -36,9 +36,27 @@ class Collapse(Detector):
     """
 
     name = "collapse"
+    state_fields = ("recent",)
+
+    def __init__(self, config, cooldown_steps: int = 10):
+        super().__init__(config, cooldown_steps)
+        self.recent: list[list[list[str]]] = []  # the outputs of the last pool_steps steps, newest last
+
+    def pooled(self, groups: list[Group]) -> list[tuple[str, str, str]]:
+        """This step's outputs, plus earlier steps' until ``pool_tasks`` distinct tasks are covered
+        (evidence marks the ids of earlier steps' outputs ``@earlier``)."""
+        self.recent = (self.recent + [[list(o) for o in _outputs(groups)]])[-self.config.pool_steps:]
+        outputs: list[tuple[str, str, str]] = []
+        for outputs_of_step in reversed(self.recent):
+            if len({task for task, _, _ in outputs}) >= self.config.pool_tasks:
+                break
+            outputs += [(task, ident, text[:500]) for task, ident, text in outputs_of_step]
+        return outputs
 
     def observe(self, step: int, groups: list[Group], metrics: dict[str, float]) -> list[Alert]:
-        outputs = _outputs(groups)
+        current = sum(len(g.trajectories) for g in groups)  # pooled() lists this step's outputs first
+        outputs = [(task, ident if i < current else f"{ident}@earlier", text)
+                   for i, (task, ident, text) in enumerate(self.pooled(groups))]
         n_tasks = len({task for task, _, _ in outputs})
         if n_tasks < 2:
             self.value = math.nan
