@@ -39,7 +39,7 @@ def train(
 ) -> None:
     """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder.
 
-    Exit code 3 when a reward-hacking alert paused or stopped the run (see [alerts]).
+    Exit code 3 when a reward-hacking alert paused or stopped the run (the alerts section of the config).
     """
     from grooves.training.config import ConfigError, load_config
 
