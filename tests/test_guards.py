@@ -68,6 +68,18 @@ def test_lexical_grounding_numbers_must_match_as_written():
     assert [t.components["grounded_terms"] for t in group.trajectories] == [0.0, 1.0]
 
 
+def test_lexical_grounding_fails_an_empty_output_unless_allowed():
+    # The HN run's reward model scored the empty title highest; a guard with nothing to check
+    # must not wave it through.
+    group = group_of("", "  ...  ", "Council extends tram line")
+    Reward([Component("proxy", always_high), LexicalGrounding(source="text")]).score([group])
+    assert [t.reward for t in group.trajectories] == [0.0, 0.0, 10.0]
+    assert group.trajectories[0].metadata["vetoes"]["grounded_terms"] == "the output has no words to check against the source"
+    group = group_of("", "Council extends tram line")
+    Reward([Component("proxy", always_high), LexicalGrounding(source="text", allow_empty=True)]).score([group])
+    assert [t.reward for t in group.trajectories] == [10.0, 10.0]
+
+
 def test_format_guard_regex_and_json_schema():
     title = FormatGuard("one_line", pattern=r"[^\n]{3,80}")
     group = group_of("A fine title", "two\nlines")

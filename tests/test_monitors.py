@@ -19,7 +19,7 @@ from grooves.monitors.config import (
 )
 from grooves.monitors.stats import centred_correlation, robust_z
 from grooves.monitors.text import jaccard, near_same_clusters, ngram_repeat_rate, normalise, shingles
-from grooves.rewards.guards import INJECTION_PATTERNS
+from grooves.scoring import INJECTION_PATTERNS
 from grooves.types import Group, Trajectory
 
 FAKE = "Google lays off 75%, effective immediately"

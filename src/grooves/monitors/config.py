@@ -134,7 +134,7 @@ class JudgeDirectedConfig(_Section):
     """Statistic: the share of the step's outputs that address the judge or scorer."""
 
     extra_patterns: list[str] = Field(default_factory=list, description="Regular expressions (case-insensitive) "
-                                      "added to `grooves.rewards.guards.INJECTION_PATTERNS`.")
+                                      "added to `grooves.scoring.INJECTION_PATTERNS`.")
     warn_above: float = Field(0.05, gt=0, le=1, description="Warn at this share of judge-directed outputs.")
     critical_above: float = Field(0.25, gt=0, le=1, description="Critical at this share.")
 

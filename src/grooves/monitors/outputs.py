@@ -14,8 +14,7 @@ from grooves.monitors.text import (
     clip, content_stems, jaccard, ngram_repeat_rate, near_same_clusters, normalise, overlap, shingles,
     top_content_word, words,
 )
-from grooves.rewards.guards import INJECTION_PATTERNS
-from grooves.rewards.judges import judge_input
+from grooves.scoring import INJECTION_PATTERNS, input_text
 from grooves.types import Group
 
 MAX_EXAMPLES = 5
@@ -110,7 +109,7 @@ class SourceInsensitivity(Detector):
         sources: dict[str, set[str]] = {}
         for k, group in enumerate(groups):
             if group.trajectories:
-                source = judge_input(group.trajectories[0], group, self.config.source)
+                source = input_text(group.trajectories[0], group, self.config.source)
                 sources.setdefault(task_key(group, k), content_stems(source))
         if len(sources) < self.config.min_tasks:
             self.value = math.nan
@@ -179,7 +178,7 @@ class Repetition(Detector):
 
 class JudgeDirected(Detector):
     """Outputs that address the judge or scorer ("dear grader", "score this 10", chat-template
-    markers); the patterns are ``grooves.rewards.guards.INJECTION_PATTERNS`` plus any extra."""
+    markers); the patterns are ``grooves.scoring.INJECTION_PATTERNS`` plus any extra."""
 
     name = "judge_directed"
 

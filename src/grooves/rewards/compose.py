@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from grooves.rewards.runner import Escaped, escaping, in_thread, limited, limit_to, run_coroutine
+from grooves.scoring import task_arguments
 from grooves.types import Group, Trajectory
 
 
@@ -92,19 +93,6 @@ class RewardComponent:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, weight={self.weight})"
-
-
-def task_arguments(trajectory: Trajectory | None, group: Group) -> dict[str, Any]:
-    """Everything a verifier can ask for by name, for one trajectory of ``group``."""
-    task = group.task
-    available: dict[str, Any] = {"task": task, "prompt": task.get("prompt"), "group": group,
-                                 "completions": [t.completion for t in group.trajectories]}
-    if trajectory is not None:
-        available.update(completion=trajectory.completion, messages=trajectory.messages,
-                         trajectory=trajectory, state=trajectory.metadata.get("state", {}))
-    for key, value in task.items():
-        available.setdefault(key, value)
-    return available
 
 
 class Component(RewardComponent):

@@ -27,6 +27,7 @@ from grooves.rewards.client import Endpoint, JudgeClient
 from grooves.rewards.compose import RewardComponent, Score
 from grooves.rewards.runner import in_thread
 from grooves.rewards.judges import YesNoCheck, judge_input
+from grooves.scoring import INJECTION_PATTERNS
 from grooves.types import Group, Trajectory
 
 SUPPORTED_QUESTION = ("Is every claim in the output (names, numbers, events, what happened) supported by the "
@@ -86,12 +87,15 @@ class LexicalGrounding(Guard):
     A name is a capitalised word that is not the first word of the output; a rare word has
     at least ``rare_length`` letters. Matching ignores case and a plural "s"; numbers must
     appear as written (``75`` is not grounded by ``7.5``).
+
+    An output with no words or numbers at all fails unless ``allow_empty``: it has nothing
+    to check, and an empty title is exactly what a reward model can come to score highest.
     """
 
     def __init__(self, name: str = "grounded_terms", source: str | None = None, rare_length: int = 9,
-                 floor: float = 0.0, required: bool = True):
+                 floor: float = 0.0, required: bool = True, allow_empty: bool = False):
         super().__init__(name, floor, required)
-        self.source, self.rare_length = source, rare_length
+        self.source, self.rare_length, self.allow_empty = source, rare_length, allow_empty
 
     def terms(self, text: str) -> list[str]:
         terms = _NUMBER.findall(text)
@@ -102,6 +106,8 @@ class LexicalGrounding(Guard):
         return terms
 
     def check(self, trajectory: Trajectory, group: Group) -> tuple[bool, str]:
+        if not self.allow_empty and not (_WORD.search(trajectory.completion) or _NUMBER.search(trajectory.completion)):
+            return False, "the output has no words to check against the source"
         source = judge_input(trajectory, group, self.source)
         numbers = set(_NUMBER.findall(source))
         words = {_stem(w) for w in _WORD.findall(source)}
@@ -151,18 +157,6 @@ class FormatGuard(Guard):
             where = "/".join(str(p) for p in problems[0].path) or "(top level)"
             return False, f"{where}: {problems[0].message}"
         return True, "valid under the schema"
-
-
-INJECTION_PATTERNS = (
-    r"ignore (?:all |any |the )?(?:previous|prior|above|earlier) (?:instructions|rules|prompts?)",
-    r"disregard (?:the |all |your )?(?:rubric|instructions|rules)",
-    r"\b(?:score|rate|grade|mark) (?:this|me|it|the output)(?: as| with| a)? (?:a )?(?:10|100|\d+ ?/ ?\d+|perfect|full|maximum|high(?:est)?)",
-    r"\b(?:give|award|assign) (?:this|me|it)(?: output| answer)? (?:a |the )?(?:10|100|perfect|full|maximum|top|high(?:est)?) (?:score|marks?|rating|grade)",
-    r"\b(?:dear|attention|note to (?:the )?)\s*(?:judge|grader|evaluator|reviewer|scorer)s?\b",
-    r"\b(?:as|you are) an? (?:ai |llm )?(?:judge|grader|evaluator)\b",
-    r"\bsystem prompt\b|<\|im_start\|>|\[/?inst\]",  # chat-template markers have no word boundary
-    r"\bthis (?:output|answer|response) (?:is|deserves) (?:perfect|excellent|a 10|the best)",
-)
 
 
 class InjectionGuard(Guard):

@@ -28,6 +28,7 @@ from typing import Any
 from grooves.rewards.client import Endpoint, JudgeCache, JudgeClient, JudgeError, ReplyError, number_in
 from grooves.rewards.compose import ComponentError, Failed, RewardComponent, Score, task_arguments
 from grooves.rewards.runner import limited
+from grooves.scoring import MissingColumn, input_text
 from grooves.types import Group, Trajectory
 
 SYSTEM = ("You are a careful, impartial grader. You judge only what the rubric asks about and "
@@ -88,17 +89,10 @@ def rubric_text(rubric: Any) -> str:
 
 def judge_input(trajectory: Trajectory | None, group: Group, input: str | None) -> str:
     """The text a judge is shown as the input: the user turn, a task column, or a template."""
-    if input:
-        if input in group.task:
-            return str(group.task[input])
-        if input.isidentifier():  # a column name, not a template: a missing column is an error
-            raise ComponentError(f"the task has no column {input!r} (columns: {sorted(group.task)})")
-        return input.format(**task_arguments(trajectory, group))
-    messages = trajectory.messages if trajectory is not None else group.trajectories[0].messages
-    for message in reversed(messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages):
-        if message.get("role") == "user":
-            return str(message.get("content") or "")
-    return str(group.task.get("prompt", ""))
+    try:
+        return input_text(trajectory, group, input)
+    except MissingColumn as exc:
+        raise ComponentError(str(exc)) from None
 
 
 def _reason_schema(max_reason_chars: int) -> dict:

@@ -97,6 +97,8 @@ class GuardConfig(_Component):
     max_reason_chars: int = Field(240, ge=8, description="supported_by_source: longest reason the judge may write.")
     pattern: str | None = Field(None, description="format: a regular expression the whole output must match.")
     json_schema: dict[str, Any] | None = Field(None, description="format: a JSON schema the output must satisfy.")
+    allow_empty: bool | None = Field(None, description="lexical_grounding: let an output with no words "
+                                     "pass (default: it fails).")
     patterns: list[str] | None = Field(None, description="injection: regular expressions (case-insensitive) "
                                        "that veto an output when found; default: the built-in list.")
 
@@ -107,7 +109,7 @@ class GuardConfig(_Component):
         if self.guard == "format" and (self.pattern is None) == (self.json_schema is None):
             raise ValueError("guard 'format' needs exactly one of pattern or json_schema")
         own = {"endpoint": "supported_by_source", "pattern": "format", "json_schema": "format",
-               "patterns": "injection"}
+               "patterns": "injection", "allow_empty": "lexical_grounding"}
         for key, guard in own.items():
             if getattr(self, key) is not None and self.guard != guard:
                 raise ValueError(f"{key} is only for guard '{guard}', not '{self.guard}'")
@@ -207,7 +209,7 @@ def _build(c, endpoints: dict, cache, base: Path | None):
         return supported_by_source(endpoints[c.endpoint], name=c.name or "supported", source=c.source,
                                    cache=cache, max_reason_chars=c.max_reason_chars, **guard)
     if c.guard == "lexical_grounding":
-        return LexicalGrounding(c.name or "grounded_terms", source=c.source, **guard)
+        return LexicalGrounding(c.name or "grounded_terms", source=c.source, allow_empty=bool(c.allow_empty), **guard)
     if c.guard == "format":
         return FormatGuard(c.name or "format", pattern=c.pattern, json_schema=c.json_schema, **guard)
     if c.patterns is not None:
