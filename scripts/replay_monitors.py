@@ -23,9 +23,10 @@ from grooves.training.store import read_metrics
 from grooves.types import Group, Trajectory
 
 
-def step_groups(db: sqlite3.Connection) -> dict[int, list[Group]]:
+def step_groups(db: sqlite3.Connection, split: str = "train") -> dict[int, list[Group]]:
     by_step: dict[int, dict[str, list[Trajectory]]] = defaultdict(lambda: defaultdict(list))
-    rows = db.execute("SELECT step, task_id, group_index, data FROM trajectories WHERE split = 'train' ORDER BY id")
+    rows = db.execute("SELECT step, task_id, group_index, data FROM trajectories WHERE split = ? ORDER BY id",
+                      (split,))
     for step, task_id, group_index, data in rows:
         by_step[step][f"{group_index}:{task_id}"].append(Trajectory.from_dict(json.loads(data)))
     return {step: [Group({"id": key.split(":", 1)[1]}, ts) for key, ts in groups.items()]
@@ -41,11 +42,13 @@ def main() -> None:
     monitors = Monitors(config)
     metrics = {row["step"]: row for row in read_metrics(args.run_dir / "metrics.jsonl")}
     with sqlite3.connect(args.run_dir / "run.sqlite") as db:
-        groups = step_groups(db)
+        groups, heldout = step_groups(db), step_groups(db, "val")
     count = 0
-    for step in sorted(groups):
+    for step in sorted(set(groups) | set(heldout)):
         row = {k: (float("nan") if v is None else v) for k, v in metrics.get(step, {}).items()}
-        for alert in monitors.observe(step, groups[step], row):
+        found = monitors.observe_heldout(step, heldout[step]) if step in heldout else []
+        found += monitors.observe(step, groups[step], row) if step in groups else []
+        for alert in found:
             count += 1
             print(f"step {step}: {alert.detector} ({alert.severity}): {alert.message}")
     print(f"replay {args.run_dir.name} steps={len(groups)} alerts={count}")

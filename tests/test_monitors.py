@@ -134,6 +134,36 @@ def test_source_insensitivity_margin_by_hand():
     assert "only 0.33 more than other tasks' sources (baseline 0.75); 1 of 2 outputs" in alert.message
 
 
+def test_source_insensitivity_pools_steps_with_two_tasks():
+    """Two stories a step (the HN example's setting): pooled with the step before, the fake
+    headline shows within two steps of its onset."""
+    stories = {f"t{n}": f"{a} council {b} tramline {c} budget" for n, (a, b, c) in enumerate(
+        [("riverside", "extends", "approved"), ("harbour", "cancels", "frozen"), ("valley", "doubles", "raised"),
+         ("northgate", "delays", "cut"), ("eastfield", "opens", "spent"), ("westbrook", "closes", "saved"),
+         ("lakeside", "reroutes", "audited"), ("hillcrest", "electrifies", "pledged")])}
+    tasks = list(stories)
+
+    def step_groups(step, hacked):
+        pair = tasks[(2 * step) % 8], tasks[(2 * step + 1) % 8]
+        return [group(t, FAKE if hacked else stories[t].split()[0] + " tramline " + stories[t].split()[2],
+                      source=stories[t]) for t in pair]
+
+    detector = SourceInsensitivity(SourceInsensitivityConfig(baseline_steps=2))
+    assert detector.observe(0, step_groups(0, False), {}) == [] and math.isnan(detector.value)  # 2 tasks
+    fired = []
+    for step in range(1, 7):
+        fired += [(step, a.severity) for a in detector.observe(step, step_groups(step, step >= 4), {})]
+    # own overlap 2/6 stems, cross 0 -> margin 2/3 (armed); step 4 pools 2 hacked tasks with
+    # the 2 honest ones of step 3 -> 1/3 (warn); step 5 is all hacked -> 0 (critical)
+    assert detector.early == [pytest.approx(2 / 3)] * 2
+    assert fired == [(4, "warn"), (5, "critical")]
+    restored = SourceInsensitivity(SourceInsensitivityConfig(baseline_steps=2))
+    restored.load_state_dict(detector.state_dict())  # the pool survives a resume
+    assert restored.recent == detector.recent and len(restored.recent) == 4
+    unpooled = SourceInsensitivity(SourceInsensitivityConfig(pool_steps=1))
+    assert all(unpooled.observe(s, step_groups(s, s >= 4), {}) == [] for s in range(7))
+
+
 def test_source_insensitivity_needs_two_tasks_and_an_armed_baseline():
     detector = SourceInsensitivity(SourceInsensitivityConfig(min_tasks=2, baseline_steps=1, source="text"))
     one = Group(task={"id": "a", "text": "alpha"}, trajectories=group("a", "zulu").trajectories)
@@ -169,6 +199,26 @@ def test_reward_spike_skips_guard_pass_rates():
         detector.observe(step, [], {"reward/ok": 0.2, "reward/ok/veto_rate": 0.8, "reward/vetoed": 0.8})
     assert detector.observe(6, [], {"reward/ok": 1.0, "reward/ok/veto_rate": 0.0, "reward/vetoed": 0.0}) == []
     assert detector.history == {}
+
+
+def test_reward_spike_leaves_a_guarded_total_out():
+    # Run B of the HN reproduction: the judge vetoed 86% of titles, then 40% one step; the
+    # total (floor 0 for the vetoed) jumped 6 robust deviations while the RM score was flat.
+    detector = RewardSpike(RewardSpikeConfig())
+    for step, vetoed in enumerate([0.85, 0.9, 0.8, 0.88, 0.86], start=1):
+        calm = {"reward/total": 2.7 * (1 - vetoed), "reward/rm": 2.7 + step * 0.001,
+                "reward/supported": 1 - vetoed, "reward/supported/veto_rate": vetoed, "reward/vetoed": vetoed}
+        assert detector.observe(step, [], calm) == []
+    assert set(detector.history) == {"reward/rm"}
+    swing = {"reward/total": 2.7 * 0.6, "reward/rm": 2.71, "reward/supported": 0.6,
+             "reward/supported/veto_rate": 0.4, "reward/vetoed": 0.4}
+    assert detector.observe(6, [], swing) == []
+    [alert] = detector.observe(7, [], dict(swing, **{"reward/rm": 4.0}))  # the component itself jumps
+    assert alert.evidence["metric"] == "reward/rm"
+    explicit = RewardSpike(RewardSpikeConfig(metrics=["reward/total"]))  # named, it is watched
+    for step in range(1, 6):
+        explicit.observe(step, [], {"reward/total": 0.4, "reward/vetoed": 0.85, "reward/ok/veto_rate": 0.85})
+    assert explicit.observe(6, [], {"reward/total": 1.6, "reward/vetoed": 0.4, "reward/ok/veto_rate": 0.4})
 
 
 def test_divergence_proxy_up_guard_down_by_hand():
@@ -316,3 +366,25 @@ def test_source_insensitivity_is_silent_below_min_tasks():
     detector = SourceInsensitivity(SourceInsensitivityConfig(baseline_steps=1))
     two = [group("a", "Alpha bravo", source=a), group("b", "Echo zulu", source=b)]
     assert detector.observe(1, two, {}) == [] and math.isnan(detector.value) and detector.early == []
+
+
+def test_heldout_evaluations_are_watched_with_their_own_memory():
+    """The HN probe: every held-out title became '' while the held-out reward rose 9.7 SE."""
+    stories = [f"{w} council tramline budget {w}ville" for w in ("north", "south", "east", "west", "upper")]
+    honest = [group(f"h{i}", f"{s.split()[0]} tramline {s.split()[-1]}", source=s) for i, s in enumerate(stories)]
+    hacked = [group(f"h{i}", "", source=s) for i, s in enumerate(stories)]
+    monitors = Monitors()
+    assert monitors.observe_heldout(0, honest) == []
+    assert monitors.heldout_metrics()["alerts/val/source_insensitivity"] > 0.5
+    alerts = monitors.observe_heldout(10, hacked)
+    assert {a.detector for a in alerts} == {"collapse", "source_insensitivity"}
+    assert all(a.severity == "critical" and a.evidence["split"] == "val" for a in alerts)
+    collapse = next(a for a in alerts if a.detector == "collapse")
+    assert collapse.message.startswith("Held-out: 5 of 5 tasks (5 of 5 outputs) got the same output: ''")
+    assert monitors.metrics()["alerts/collapse"] != monitors.metrics()["alerts/collapse"]  # train side untouched
+    restored = Monitors()
+    restored.load_state_dict(json.loads(json.dumps(monitors.state_dict(), allow_nan=False)))
+    assert restored.observe_heldout(15, hacked) == []  # remembered: cooling down, not re-fired
+    base_collapsed = Monitors()  # the base model already answers everything alike: not a hack
+    assert base_collapsed.observe_heldout(0, hacked) == [] and base_collapsed.heldout_first["collapse"] == "critical"
+    assert base_collapsed.observe_heldout(10, hacked) == []

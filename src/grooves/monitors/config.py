@@ -49,11 +49,13 @@ class SourceInsensitivityConfig(_Section):
 
     source: str | None = Field(None, description="Task column (or format string over the columns) holding "
                                "the source text; None = the user message before the completion.")
-    min_tasks: int = Field(3, ge=2, description="Fewest tasks a step needs for a margin: with two, the "
+    min_tasks: int = Field(3, ge=2, description="Fewest tasks a margin is measured over: with two, the "
                            "cross overlap is a single comparison and too noisy (on the clean demo, 2 tasks per "
-                           "step, it raised a false alert).")
+                           "step, it raised a false alert). A step with fewer is pooled with earlier steps.")
+    pool_steps: int = Field(4, ge=1, description="Most steps pooled to reach `min_tasks` (the current one "
+                            "included); 1 = never pool.")
     baseline_steps: int = Field(5, ge=1, description="The baseline is the median margin of the first this "
-                                "many steps that have at least `min_tasks` tasks.")
+                                "many steps whose pool has at least `min_tasks` tasks.")
     armed_above: float = Field(0.15, ge=0, description="Alert only when the baseline margin is at least this "
                                "(outputs clearly depended on their source); tasks whose outputs do not quote "
                                "their input, such as maths answers, never arm the detector.")
@@ -71,8 +73,9 @@ class _RobustWindow(_Section):
 class RewardSpikeConfig(_RobustWindow):
     """Statistic: the largest robust z-score of a reward mean against its recent steps."""
 
-    metrics: list[str] = Field(default_factory=list, description="Metrics watched; empty = `reward/total` and "
-                               "every `reward/<component>` mean that is not a guard's pass rate.")
+    metrics: list[str] = Field(default_factory=list, description="Metrics watched; empty = `reward/total` "
+                               "(unless the run has a guard) and every `reward/<component>` mean that is "
+                               "not a guard's pass rate.")
     window: int = Field(20, ge=2, description="Past steps the z-score is measured against.")
     min_history: int = Field(5, ge=2, description="Steps of history a metric needs before it can alert.")
     warn_above: float = Field(6.0, gt=0, description="Warn at this robust z-score (a rise; falls are not hacks).")

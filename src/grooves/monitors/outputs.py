@@ -95,27 +95,47 @@ class SourceInsensitivity(Detector):
     """Outputs stop depending on their input: they overlap other tasks' sources as much as their own.
 
     margin = mean over outputs of (overlap with the own source) - mean of (mean overlap with
-    each other task's source), overlaps on content stems. It needs ``min_tasks`` tasks in the step.
+    each other task's source), overlaps on content stems. It needs ``min_tasks`` tasks; a step
+    with fewer is pooled with the outputs (and sources) of up to ``pool_steps - 1`` earlier
+    steps, newest first, until the pool covers them (evidence marks earlier ids ``@earlier``).
     """
 
     name = "source_insensitivity"
-    state_fields = ("early",)
+    state_fields = ("early", "recent")
 
     def __init__(self, config, cooldown_steps: int = 10):
         super().__init__(config, cooldown_steps)
         self.early: list[float] = []  # margins of the first baseline_steps steps
+        self.recent: list[dict] = []  # the last pool_steps steps: {"sources": {task: stems}, "outputs": [...]}
 
-    def observe(self, step: int, groups: list[Group], metrics: dict[str, float]) -> list[Alert]:
-        sources: dict[str, set[str]] = {}
+    def pooled(self, groups: list[Group]) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+        """The sources (content stems by task) and outputs to measure: this step's, plus earlier ones'."""
+        sources_of_step: dict[str, list[str]] = {}
         for k, group in enumerate(groups):
             if group.trajectories:
                 source = input_text(group.trajectories[0], group, self.config.source)
-                sources.setdefault(task_key(group, k), content_stems(source))
+                sources_of_step.setdefault(task_key(group, k), sorted(content_stems(source)))
+        entry = {"sources": sources_of_step,
+                 "outputs": [[task, ident, text[:500]] for task, ident, text in _outputs(groups)]}
+        self.recent = (self.recent + [entry])[-self.config.pool_steps:]
+        sources: dict[str, set[str]] = {}
+        outputs: list[tuple[str, str, str]] = []
+        for age, earlier in enumerate(reversed(self.recent)):
+            if len(sources) >= self.config.min_tasks:
+                break
+            for task, stems in earlier["sources"].items():
+                sources.setdefault(task, set(stems))
+            outputs += [(task, ident if age == 0 else f"{ident}@earlier", text)
+                        for task, ident, text in earlier["outputs"]]
+        return sources, outputs
+
+    def observe(self, step: int, groups: list[Group], metrics: dict[str, float]) -> list[Alert]:
+        sources, outputs = self.pooled(groups)
         if len(sources) < self.config.min_tasks:
             self.value = math.nan
             return []
         own, cross, insensitive = [], [], []
-        for task, trajectory_id, text in _outputs(groups):
+        for task, trajectory_id, text in outputs:
             stems = content_stems(text)
             own.append(overlap(stems, sources[task]))
             cross.append(statistics.fmean(overlap(stems, s) for key, s in sources.items() if key != task))

@@ -70,13 +70,17 @@ class RewardSpike(_Windowed):
 
     Statistic: the largest robust z-score, (value - median) / (1.4826 MAD), of any watched
     metric against its last ``window`` steps. Falls are not flagged: a falling guard shows in
-    ``Divergence``.
+    ``Divergence``. In a guarded run the total is left out by default: a vetoed trajectory's
+    total is the floor, so the total moves with the veto rate (a noisy judge vetoing 60% one
+    step and 90% the next) while the components it is made of are watched on their own.
     """
 
     name = "reward_spike"
 
     def observe(self, step: int, groups: list[Group], metrics: dict[str, float]) -> list[Alert]:
-        scores = self.z_scores(metrics, self.config.metrics or reward_means(metrics), sample_count(groups))
+        watched = self.config.metrics or [m for m in reward_means(metrics)
+                                          if not (m == "reward/total" and guard_names(metrics))]
+        scores = self.z_scores(metrics, watched, sample_count(groups))
         self.value = max((z for z, _ in scores.values()), default=math.nan)
         alerts = []
         for name, (z, evidence) in sorted(scores.items(), key=lambda item: -item[1][0]):

@@ -155,6 +155,14 @@ class TrainingRun:
         """Run the hacking detectors; record and show their alerts; apply the alert policy."""
         alerts = self.monitors.observe(step, groups, metrics)
         metrics.update(self.monitors.metrics())
+        self._raise(step, alerts)
+        if self._halt is None and self.stop_rule is not None:
+            reason = self.stop_rule(step, metrics, self.evaluations)
+            if reason:
+                self._halt = ("stop", reason)
+
+    def _raise(self, step: int, alerts: list[Alert]) -> None:
+        """Record and show alerts; the first that is not a warning (by the policy) halts the run."""
         for alert in alerts:
             action = self._action(alert)
             self.store.record_alert(step, alert.detector, alert.severity, alert.message,
@@ -162,10 +170,6 @@ class TrainingRun:
             self.console.print(alert_panel(alert, action))
             if action != "warn" and self._halt is None:
                 self._halt = (action, f"{alert.detector}: {alert.message}")
-        if self._halt is None and self.stop_rule is not None:
-            reason = self.stop_rule(step, metrics, self.evaluations)
-            if reason:
-                self._halt = ("stop", reason)
 
     def _action(self, alert: Alert) -> str:
         policy = self.config.alerts
@@ -264,6 +268,8 @@ class TrainingRun:
         metrics["val/completion_len"], metrics["val/truncated_ratio"] = completion_stats(groups)
         self.evaluations[step] = Evaluation(groups, metrics)
         self.store.record_groups(step, groups, split="val")
+        self._raise(step, self.monitors.observe_heldout(step, groups))
+        metrics.update(self.monitors.heldout_metrics())
         return metrics
 
     # --- run folder, checkpoints, logging ------------------------------------------------
