@@ -79,13 +79,47 @@ class Policy:
         documented fallback rendering of ``grooves.policy.tools`` instead of silently
         losing them.
         """
-        if self.native_tools:
-            rendered, kwargs = messages, {"tools": tools} if tools else {}
-        else:
-            rendered, kwargs = fallback_messages(messages, tools), {}
+        rendered, kwargs = self._rendering(messages, tools)
         return list(self.tokenizer.apply_chat_template(
             rendered, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
         ))
+
+    def chat_text(self, messages: list[Message], tools: list[dict] | None = None,
+                  add_generation_prompt: bool = True) -> str:
+        """The chat template's text for ``messages`` (tools rendered as in ``chat_ids``)."""
+        rendered, kwargs = self._rendering(messages, tools)
+        return self.tokenizer.apply_chat_template(
+            rendered, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+
+    def _rendering(self, messages: list[Message], tools: list[dict] | None) -> tuple[list[Message], dict]:
+        if self.native_tools:
+            return messages, {"tools": tools} if tools else {}
+        return fallback_messages(messages, tools), {}
+
+    @property
+    def end_of_turn_id(self) -> int:
+        """The token that ends an assistant turn in the chat template (the tokenizer's EOS)."""
+        return self.tokenizer.eos_token_id
+
+    def continuation_ids(self, messages: list[Message]) -> list[int]:
+        """Tokens the chat template puts after a finished assistant turn for ``messages``
+        (tool results, a user turn) up to and including the next assistant header.
+
+        Multi-turn rollouts append these to the model's own tokens instead of re-rendering
+        the conversation, so the model's tokens stay exactly as sampled. They are found as
+        the template's text for a fixed two-turn chat plus ``messages``, minus the text of
+        the fixed chat up to its end-of-turn token.
+        """
+        anchor = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        before = self.chat_text(anchor, add_generation_prompt=False)
+        after = self.chat_text(anchor + list(messages), add_generation_prompt=True)
+        end = self.tokenizer.decode([self.end_of_turn_id])
+        cut = before.rfind(end)
+        before = before[: cut + len(end)] if cut >= 0 else before
+        if not after.startswith(before):
+            raise ValueError("the chat template renders earlier turns differently once more turns follow; "
+                             "multi-turn token bookkeeping needs a template that only appends")
+        return list(self.tokenizer.encode(after[len(before):], add_special_tokens=False))
 
     @functools.cached_property
     def native_tools(self) -> bool:

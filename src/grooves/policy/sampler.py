@@ -57,6 +57,20 @@ class Sampler:
             return self.policy.chat_ids(prompt)
         return list(prompt)
 
+    def decode_rows(self, rows: list[Row]) -> list:
+        """Decode rows that each carry their own prompt and settings, ``max_batch_rows`` at a time
+        (multi-turn rollouts: every rollout's next turn in one batch)."""
+        model = self.policy.model
+        was_training = model.training
+        model.eval()
+        try:
+            outputs = []
+            for start in range(0, len(rows), self.max_batch_rows):
+                outputs += decode(self.policy, rows[start : start + self.max_batch_rows])
+            return outputs
+        finally:
+            model.train(was_training)
+
     def generate(
         self,
         prompts: list[Prompt],

@@ -1,0 +1,334 @@
+"""The environment contract: ``reset(task) -> state``, the env's reply to an assistant turn,
+``is_done(state)``, ``score(state) -> named components``.
+
+An ``Env`` holds no per-rollout data; everything a rollout changes lives in its ``State``
+(conversation, tokens, the rollout's own random generator, counters and the env's own
+``data`` and ``resources`` such as a private database). Many rollouts of one env run at
+once, so tools receive the state as their first argument.
+
+Tools are typed methods marked with ``@tool``: the signature (after ``state``) and the
+docstring become an OpenAI tool schema, and the same signature validates the model's
+arguments (pydantic), so a wrong type is an error message back to the model, never an
+exception in the rollout. Every bad input is answered and counted:
+
+=====================  =========================================  ======================
+model output           what the model gets back                   counter
+=====================  =========================================  ======================
+malformed call JSON    the parse error and the expected format    ``tool_errors/malformed``
+unknown tool           the list of tools                          ``tool_errors/unknown_tool``
+wrong arguments        pydantic's field errors                    ``tool_errors/bad_arguments``
+a tool that raises     the exception's type and message           ``tool_errors/raised``
+a tool that hangs      a timeout note (``tool_timeout_s``)        ``tool_errors/timeout``
+an enormous result     the first ``max_result_chars`` and a note  ``tool_results/truncated``
+=====================  =========================================  ======================
+
+A single-turn task is the trivial case: an env with no tools whose first reply is final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import random
+import re
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import ConfigDict, Field, ValidationError, create_model
+
+from grooves.policy.tools import ToolCall, parse_tool_calls
+from grooves.types import Message, Task
+
+
+SNAPSHOT_MAGIC = b"grooves-env-snapshot/1\n"
+
+TOOL_THREADS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="grooves-tool")
+"""Where tools run. Not an event loop's default executor: closing a loop waits for that one,
+so a tool that hangs past its timeout would hold up the whole round."""
+
+
+@dataclass
+class TokenLog:
+    """The exact token stream of a multi-turn rollout: the first prompt, then every later token
+    with ``mask`` 1 where the model generated it and 0 where the env inserted it."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def add(self, ids: list[int], logprobs: list[float] | None, generated: bool) -> None:
+        self.ids += ids
+        self.mask += [int(generated)] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    @property
+    def generated(self) -> int:
+        return sum(self.mask)
+
+
+@dataclass
+class State:
+    """Everything one rollout owns. ``data`` is JSON-able env data; ``resources`` holds live
+    objects (a database connection) that ``Env.snapshot`` captures through env hooks."""
+
+    task: Task
+    messages: list[Message]
+    rng: random.Random
+    tokens: TokenLog = field(default_factory=TokenLog)
+    data: dict[str, Any] = field(default_factory=dict)
+    resources: dict[str, Any] = field(default_factory=dict)
+    counters: Counter = field(default_factory=Counter)
+    turns: int = 0
+    done: bool = False
+    answer: str | None = None
+    finish: str = ""  # "answer", "max_turns", "max_tokens" once done
+
+
+@dataclass
+class Tool:
+    """A tool: its name, description, argument model and the function behind it."""
+
+    name: str
+    description: str
+    fn: Callable[..., Any]
+    arguments: type  # a pydantic model of the arguments
+
+    def schema(self) -> dict[str, Any]:
+        parameters = self.arguments.model_json_schema()
+        parameters.pop("title", None)
+        for prop in parameters.get("properties", {}).values():
+            prop.pop("title", None)
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": parameters}}
+
+
+def tool(fn: Callable | None = None, *, name: str | None = None) -> Callable:
+    """Mark an env method ``(self, state, ...)`` as a tool the model can call."""
+
+    def mark(f: Callable) -> Callable:
+        f.__grooves_tool__ = name or f.__name__
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+_ARG_LINE = re.compile(r"^\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.+)$")
+
+
+def make_tool(fn: Callable, name: str | None = None) -> Tool:
+    """A ``Tool`` from a function ``(state, arg: type = default, ...)``; ``Args:`` lines of its
+    docstring describe the arguments, the text before them the tool."""
+    doc = inspect.getdoc(fn) or ""
+    summary, _, args_block = doc.partition("Args:")
+    described: dict[str, str] = {}
+    current = None
+    for line in args_block.splitlines():
+        match = _ARG_LINE.match(line)
+        if match and (not line.startswith(" " * 8)):
+            current = match.group(1)
+            described[current] = match.group(2).strip()
+        elif current and line.strip():
+            described[current] += " " + line.strip()
+    hints = inspect.get_annotations(fn, eval_str=True)
+    fields: dict[str, Any] = {}
+    for index, param in enumerate(inspect.signature(fn).parameters.values()):
+        if index == 0 or param.name == "self":  # state (a bound method has no self here)
+            continue
+        annotation = hints.get(param.name, Any)
+        default = ... if param.default is inspect.Parameter.empty else param.default
+        fields[param.name] = (annotation, Field(default, description=described.get(param.name)))
+    tool_name = name or getattr(fn, "__grooves_tool__", fn.__name__)
+    model = create_model(f"{tool_name}_arguments", __config__=ConfigDict(extra="forbid", strict=False), **fields)
+    return Tool(tool_name, " ".join(summary.split()), fn, model)
+
+
+class Env:
+    """Base of every environment. Subclasses set ``name`` and implement ``tasks``, ``score`` and
+    usually ``setup`` (per-rollout data); tools are ``@tool`` methods."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    system_prompt: ClassVar[str | None] = None
+    weights: ClassVar[dict[str, float]] = {}  # score component -> weight in the total
+    max_turns: int = 8
+    max_tokens: int = 512  # generated tokens per rollout, all turns together
+    tool_timeout_s: float = 5.0
+    max_result_chars: int = 2000
+    parser: str = "auto"
+
+    def __init__(self, **options: Any):
+        for key, value in options.items():
+            if not hasattr(self, key) or key.startswith("_") or callable(getattr(type(self), key, None)):
+                raise ValueError(f"{self.name}: unknown option {key!r}")
+            setattr(self, key, value)
+
+    # --- what subclasses provide --------------------------------------------------
+
+    def tasks(self, split: str = "train", n: int | None = None, seed: int = 0) -> list[Task]:
+        """Tasks with everything ``score`` needs (expected outcomes); ``split`` is train or heldout."""
+        raise NotImplementedError
+
+    def setup(self, state: State) -> None:
+        """Fill ``state.data`` / ``state.resources`` for a fresh rollout (e.g. a private database)."""
+
+    def score(self, state: State) -> dict[str, float]:
+        """Named reward components of a finished rollout (each usually in [0, 1])."""
+        raise NotImplementedError
+
+    def close(self, state: State) -> None:
+        """Release ``state.resources``."""
+
+    # --- the contract --------------------------------------------------------------
+
+    @functools.cached_property
+    def tool_list(self) -> list[Tool]:
+        tools = []
+        for attr in dir(type(self)):
+            fn = getattr(type(self), attr, None)
+            if callable(fn) and hasattr(fn, "__grooves_tool__"):
+                tools.append(make_tool(getattr(self, attr), fn.__grooves_tool__))
+        return tools
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return [t.schema() for t in self.tool_list]
+
+    def prompt(self, task: Task) -> list[Message]:
+        """The conversation a rollout starts from."""
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        prompt = task["prompt"]
+        return messages + (list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
+
+    def reset(self, task: Task, seed: int = 0) -> State:
+        state = State(task=task, messages=self.prompt(task), rng=random.Random(f"{seed}:{task.get('id')}"))
+        self.setup(state)
+        return state
+
+    def is_done(self, state: State) -> bool:
+        return state.done
+
+    async def respond(self, state: State, text: str) -> list[Message]:
+        """Take the model's turn ``text``: record it, run its tool calls (in worker threads, with a
+        timeout each) and return the env's messages. A turn without tool calls is the answer."""
+        reply = parse_tool_calls(text, self.parser)
+        state.turns += 1
+        for index, call in enumerate(reply.tool_calls):  # ids from the position: a replay gives the same ids
+            call.id = f"call_{state.turns}_{index}"
+        message: Message = {"role": "assistant", "content": reply.content, "raw": text}
+        if reply.tool_calls:
+            message["tool_calls"] = [c.to_openai() for c in reply.tool_calls]
+        state.messages.append(message)
+        out: list[Message] = []
+        for error in reply.errors:
+            state.counters["tool_errors/malformed"] += 1
+            out.append(self._error_message(None, f"{error}. Write a call as <tool_call>{{\"name\": "
+                                                 f"\"TOOL\", \"arguments\": {{...}}}}</tool_call>."))
+        for call in reply.tool_calls:
+            out.append(await self._run(state, call))
+            if state.done:
+                break
+        if not reply.tool_calls and not reply.errors:
+            self.finish(state, reply.content, "answer")
+        state.messages += out
+        return out
+
+    def finish(self, state: State, answer: str | None, reason: str) -> None:
+        """End the rollout (an answer tool calls this with the model's answer)."""
+        state.done, state.finish = True, reason
+        if answer is not None:
+            state.answer = answer
+
+    # --- snapshot and restore ---------------------------------------------------------
+
+    def snapshot(self, state: State) -> bytes:
+        """The whole rollout at this point: conversation, tokens, counters, env data, the rollout's
+        random generator and (through ``save_resources``) its live resources such as the database."""
+        version, internal, gauss = state.rng.getstate()
+        blobs = self.save_resources(state)
+        header = {"task": state.task, "messages": state.messages, "rng": [version, list(internal), gauss],
+                  "tokens": vars(state.tokens), "data": state.data, "counters": dict(state.counters),
+                  "turns": state.turns, "done": state.done, "answer": state.answer, "finish": state.finish,
+                  "env": self.name, "blobs": {name: len(blob) for name, blob in blobs.items()}}
+        return SNAPSHOT_MAGIC + json.dumps(header).encode() + b"\n" + b"".join(blobs.values())
+
+    def restore(self, snapshot: bytes) -> State:
+        """A live state from ``snapshot(state)``: continuing it gives what continuing the original would."""
+        if not snapshot.startswith(SNAPSHOT_MAGIC):
+            raise ValueError("not a grooves env snapshot")
+        body = snapshot[len(SNAPSHOT_MAGIC):]
+        head, _, rest = body.partition(b"\n")
+        header = json.loads(head)
+        if header["env"] != self.name:
+            raise ValueError(f"a snapshot of env {header['env']!r} cannot be restored by {self.name!r}")
+        version, internal, gauss = header["rng"]
+        rng = random.Random()
+        rng.setstate((version, tuple(internal), gauss))
+        state = State(task=header["task"], messages=header["messages"], rng=rng, tokens=TokenLog(**header["tokens"]),
+                      data=header["data"], counters=Counter(header["counters"]), turns=header["turns"],
+                      done=header["done"], answer=header["answer"], finish=header["finish"])
+        blobs, offset = {}, 0
+        for name, length in header["blobs"].items():
+            blobs[name] = rest[offset: offset + length]
+            offset += length
+        self.load_resources(state, blobs)
+        return state
+
+    def save_resources(self, state: State) -> dict[str, bytes]:
+        """Live resources as bytes, for ``snapshot``."""
+        return {}
+
+    def load_resources(self, state: State, blobs: dict[str, bytes]) -> None:
+        """Rebuild ``state.resources`` from ``save_resources``' bytes."""
+
+    # --- tools ------------------------------------------------------------------------
+
+    async def _run(self, state: State, call: ToolCall) -> Message:
+        tools = {t.name: t for t in self.tool_list}
+        state.counters["tool_calls"] += 1
+        state.counters[f"tool_calls/{call.name}" if call.name in tools else "tool_calls/unknown"] += 1
+        found = tools.get(call.name)
+        if found is None:
+            state.counters["tool_errors/unknown_tool"] += 1
+            return self._error_message(call, f"unknown tool {call.name!r}; the tools are: {', '.join(tools)}")
+        try:
+            arguments = found.arguments.model_validate(call.arguments)
+        except ValidationError as error:
+            state.counters["tool_errors/bad_arguments"] += 1
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(arguments)'}: {e['msg']}"
+                                 for e in error.errors())
+            return self._error_message(call, f"invalid arguments for {call.name}: {problems}")
+        kwargs = {k: getattr(arguments, k) for k in type(arguments).model_fields}
+        try:
+            running = asyncio.get_running_loop().run_in_executor(TOOL_THREADS, functools.partial(found.fn, state, **kwargs))
+            result = await asyncio.wait_for(running, self.tool_timeout_s)
+        except TimeoutError:
+            state.counters["tool_errors/timeout"] += 1
+            self.interrupt(state)
+            return self._error_message(call, f"{call.name} did not finish within {self.tool_timeout_s:g} s")
+        except Exception as error:  # a tool's failure is the model's information, not a crash
+            state.counters["tool_errors/raised"] += 1
+            return self._error_message(call, f"{call.name} failed: {type(error).__name__}: {error}")
+        return self._tool_message(state, call, result)
+
+    def interrupt(self, state: State) -> None:
+        """Stop a tool call that timed out (a SQLite env interrupts its query)."""
+
+    def _tool_message(self, state: State, call: ToolCall, result: Any) -> Message:
+        text = result if isinstance(result, str) else json.dumps(result, default=str)
+        if len(text) > self.max_result_chars:
+            state.counters["tool_results/truncated"] += 1
+            text = (text[: self.max_result_chars] + f"\n[truncated: {len(text) - self.max_result_chars} more "
+                    f"characters not shown; ask for less]")
+        return {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text}
+
+    def _error_message(self, call: ToolCall | None, text: str) -> Message:
+        message = {"role": "tool", "content": f"error: {text}", "name": call.name if call else "error"}
+        if call is not None:
+            message["tool_call_id"] = call.id
+        return message
+

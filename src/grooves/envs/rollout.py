@@ -1,0 +1,159 @@
+"""Multi-turn rollouts: the policy talks to an env, tool calls and results, until it answers.
+
+All rollouts of a call advance in rounds. Each round, every unfinished rollout's next turn
+goes into one batch of the sampler (G rollouts of a task, and all tasks of a step, decode
+together); then the envs answer every turn concurrently on an event loop, tools running in
+worker threads with a per-call timeout, so a slow tool holds up only its own rollout's
+answer, not the others' tool calls.
+
+Token bookkeeping: a rollout's ``Trajectory`` keeps the exact ids the sampler produced.
+``prompt_ids`` is the first prompt (system, tools, user); ``completion_ids`` is everything
+after it: each model turn as sampled (mask 1, with the sampler's logprobs), then the
+template's tokens for the env's reply up to the next assistant header (mask 0, logprob 0).
+A turn cut by its token budget gets the end-of-turn token appended with mask 0. Only the
+model's own tokens ever get gradient.
+
+A rollout ends on an answer (a turn without tool calls, or an answer tool), at
+``env.max_turns`` turns, or when its generated tokens reach ``env.max_tokens``
+(``finish_reason = "length"``, which DAPO's overlong masking treats as truncated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from grooves.envs.base import Env, State
+from grooves.policy.decoding import Row
+from grooves.types import Group, Task, Trajectory
+
+
+@dataclass
+class Turn:
+    """One generated assistant turn."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+
+
+Generate = Callable[[list[list[int]], list[int]], list[Turn]]
+"""``generate(prompts_as_ids, token_budgets) -> turns``: the policy side of a rollout."""
+
+
+def sampler_generate(policy, temperature: float = 1.0, top_p: float = 1.0,
+                     generator: torch.Generator | None = None) -> Generate:
+    """The policy's batching sampler as a ``Generate`` (every row one rollout's next turn)."""
+    sampler = policy.sampler()
+
+    def generate(prompts: list[list[int]], budgets: list[int]) -> list[Turn]:
+        rows = [Row(p, temperature, top_p, b, (), generator) for p, b in zip(prompts, budgets)]
+        return [Turn(o.text, o.token_ids, o.logprobs, o.finish_reason) for o in sampler.decode_rows(rows)]
+
+    return generate
+
+
+def start(policy, env: Env, task: Task, seed: int = 0) -> State:
+    """A fresh rollout state with its first prompt tokenised (tools in the chat template)."""
+    state = env.reset(task, seed)
+    state.tokens.prompt_ids = policy.chat_ids(state.messages, tools=env.tool_schemas() or None)
+    return state
+
+
+def advance(policy, env: Env, states: list[State], generate: Generate, turn_tokens: int) -> None:
+    """One round: the next model turn of every unfinished state (one batch), then the envs' replies."""
+    active = [s for s in states if not env.is_done(s)]
+    if not active:
+        return
+    budgets = [max(1, min(turn_tokens, env.max_tokens - s.tokens.generated)) for s in active]
+    turns = generate([s.tokens.prompt_ids + s.tokens.ids for s in active], budgets)
+    answering = []
+    for state, turn in zip(active, turns):
+        state.tokens.add(turn.token_ids, turn.logprobs, generated=True)
+        if turn.finish_reason == "length":  # close the turn as the template would
+            state.tokens.add([policy.end_of_turn_id], None, generated=False)
+            if state.tokens.generated >= env.max_tokens:  # cut by the rollout's budget: no answer to read
+                state.turns += 1
+                state.messages.append({"role": "assistant", "content": turn.text, "raw": turn.text})
+                env.finish(state, None, "max_tokens")
+                continue
+        answering.append((state, turn.text))
+    replies = _run(_respond_all(env, [s for s, _ in answering], [t for _, t in answering]))
+    for (state, _), reply in zip(answering, replies):
+        if env.is_done(state):
+            continue
+        if state.tokens.generated >= env.max_tokens:
+            env.finish(state, None, "max_tokens")
+        elif state.turns >= env.max_turns:
+            env.finish(state, None, "max_turns")
+        else:
+            state.tokens.add(policy.continuation_ids(reply), None, generated=False)
+
+
+async def _respond_all(env: Env, states: list[State], texts: list[str]):
+    return await asyncio.gather(*(env.respond(s, t) for s, t in zip(states, texts)))
+
+
+def _run(coroutine):
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    raise RuntimeError("env rollouts drive their own event loop; call them from synchronous code")
+
+
+def run_states(policy, env: Env, states: list[State], generate: Generate, turn_tokens: int) -> None:
+    """Advance ``states`` until every one is done."""
+    while any(not env.is_done(s) for s in states):
+        advance(policy, env, states, generate, turn_tokens)
+
+
+def trajectory(env: Env, state: State, policy_step: int = 0) -> Trajectory:
+    """A finished rollout as training data, with ``env.score`` in ``metadata["env_scores"]``."""
+    scores = {name: float(value) for name, value in env.score(state).items()}
+    return Trajectory(
+        messages=state.messages, prompt_ids=list(state.tokens.prompt_ids), completion_ids=list(state.tokens.ids),
+        completion_mask=list(state.tokens.mask), logprobs=list(state.tokens.logprobs),
+        finish_reason="length" if state.finish == "max_tokens" else "stop",
+        metadata={"task_id": state.task.get("id"), "policy_step": policy_step, "env": env.name,
+                  "env_scores": scores, "state": {"answer": state.answer, "finish": state.finish,
+                                                  "turns": state.turns, "counters": dict(state.counters),
+                                                  "data": state.data}})
+
+
+def env_groups(policy, env: Env, tasks: list[Task], n: int, generate: Generate, turn_tokens: int,
+               policy_step: int = 0, seed: int = 0) -> list[Group]:
+    """``n`` rollouts of each task, all advanced together; one ``Group`` per task."""
+    states = [start(policy, env, task, seed) for task in tasks for _ in range(n)]
+    try:
+        run_states(policy, env, states, generate, turn_tokens)
+        groups = []
+        for k, task in enumerate(tasks):
+            own = states[k * n: (k + 1) * n]
+            groups.append(Group(task=task, trajectories=[trajectory(env, s, policy_step) for s in own]))
+        return groups
+    finally:
+        for state in states:
+            env.close(state)
+
+
+def env_metrics(groups: list[Group], prefix: str = "env") -> dict[str, float]:
+    """Per-rollout means of the env counters (tool calls, each kind of error), turns, and
+    the share of rollouts by how they ended."""
+    states = [t.metadata["state"] for g in groups for t in g.trajectories if "state" in t.metadata]
+    if not states:
+        return {}
+    totals: Counter = Counter()
+    for state in states:
+        totals.update(state["counters"])
+    metrics = {f"{prefix}/{key}": value / len(states) for key, value in sorted(totals.items())}
+    metrics[f"{prefix}/turns"] = statistics.fmean(s["turns"] for s in states)
+    for reason in ("answer", "max_turns", "max_tokens"):
+        metrics[f"{prefix}/finish/{reason}"] = sum(s["finish"] == reason for s in states) / len(states)
+    return metrics
