@@ -63,7 +63,8 @@ def train(
     if unknown:
         raise _fail(f"--ack {', '.join(unknown)}: not a detector; allowed: {', '.join(d.name for d in DETECTORS)}")
     try:
-        run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet, acknowledge=tuple(ack or ()))
+        run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet, acknowledge=tuple(ack or ()),
+                         resume_command=f"grooves train {config} --resume")
     except _user_errors() as error:
         raise _fail(str(error)) from None
     last = run.metrics[-1] if run.metrics else {}
@@ -103,7 +104,8 @@ def probe(
     except ConfigError as error:
         raise _fail(f"invalid config {config}:\n{error}") from None
     try:
-        run = run_config(cfg, runs=runs, resume=resume, acknowledge=tuple(ack or ()), stop_rule=heldout_rose())
+        run = run_config(cfg, runs=runs, resume=resume, acknowledge=tuple(ack or ()), stop_rule=heldout_rose(),
+                         resume_command=f"grooves probe {config} --resume")
     except _user_errors() as error:
         raise _fail(str(error)) from None
     why = run.halt_reason or f"the budget of {cfg.steps} steps is spent"

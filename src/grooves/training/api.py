@@ -87,7 +87,7 @@ def task_sets(config: RunConfig) -> list[TaskSet]:
 
 def run_config(config: RunConfig, *, runs: str | Path | None = None, out: str | Path | None = None,
                resume: bool = False, progress: bool = True, acknowledge: tuple[str, ...] = (),
-               stop_rule: StopRule | None = None) -> Run:
+               stop_rule: StopRule | None = None, resume_command: str = "grooves train CONFIG --resume") -> Run:
     """Run (or resume) the training described by a config, as ``grooves train`` does.
 
     ``acknowledge``: detectors whose alerts only warn from now on (``--ack`` on resume).
@@ -97,7 +97,7 @@ def run_config(config: RunConfig, *, runs: str | Path | None = None, out: str | 
     share_backbones(sets, policy)
     run_dir = Path(out) if out else runs_root(runs) / config.name
     return TrainingRun(config, policy, sets, run_dir, resume=resume, progress=progress,
-                       acknowledge=acknowledge, stop_rule=stop_rule).run()
+                       acknowledge=acknowledge, stop_rule=stop_rule, resume_command=resume_command).run()
 
 
 def train(

@@ -65,8 +65,10 @@ class Run:
 class TrainingRun:
     def __init__(self, config: RunConfig, policy: Policy, task_sets: list[TaskSet], run_dir: Path, *,
                  resume: bool = False, progress: bool = True, console: Console | None = None,
-                 acknowledge: tuple[str, ...] = (), stop_rule: StopRule | None = None):
+                 acknowledge: tuple[str, ...] = (), stop_rule: StopRule | None = None,
+                 resume_command: str = "grooves train CONFIG --resume"):
         self.config = config
+        self.resume_command = resume_command  # shown when the run pauses or is interrupted
         self.policy = policy
         self.sets = task_sets
         self.heldout = {s.name: s.heldout[: config.log.val_size] for s in task_sets}
@@ -113,7 +115,7 @@ class TrainingRun:
                     progress.update(bar, completed=step, reward=_fmt(metrics.get("reward/total")))
                     if stop.requested:
                         self.console.print(f"[yellow]stopped[/] after step {step} (checkpoint saved); "
-                                           f"continue with: grooves train CONFIG --resume")
+                                           f"continue with: {self.resume_command}")
                         break
                     if self._halt is not None:
                         self._announce_halt(step)
@@ -183,7 +185,7 @@ class TrainingRun:
             detector = reason.split(":", 1)[0]
             self.console.print(Panel(Text(f"Paused after step {step} (checkpoint saved): {reason}\n\n"
                                           f"Read the samples: grooves review {self.run_dir.name}@{step}\n"
-                                          f"Continue, accepting this alert: grooves train CONFIG --resume "
+                                          f"Continue, accepting this alert: {self.resume_command} "
                                           f"--ack {detector}"), title="paused by an alert", border_style="yellow"))
         else:
             self.console.print(f"[yellow]stopped[/] after step {step} (checkpoint saved): {escape(reason)}")
