@@ -245,3 +245,50 @@ def test_registry_lists_builtins_and_rejects_unknown_names():
     with pytest.raises(KeyError, match="unknown env 'nope'; available: .*helpdesk"):
         env_class("nope")
     assert load_env("helpdesk").name == "helpdesk"
+
+
+def test_a_training_run_on_an_env_scores_with_the_env_and_logs_its_metrics(policy, tmp_path):
+    """Two real GRPO steps of the tiny model on the notes app: the rollouts are multi-turn
+    trajectories, the reward is the env's score, the env counters are logged."""
+    from grooves.rewards.compose import EnvScore, Reward
+    from grooves.training.config import parse_config
+    from grooves.training.loop import TrainingRun
+    from grooves.training.store import read_metrics
+    from grooves.training.tasksets import TaskSet
+
+    config = parse_config({"name": "notes", "seed": 1, "steps": 2, "model": {"spec": "tiny"},
+                           "lora": {"rank": 4, "alpha": 8}, "sampling": {"max_completion_length": 16},
+                           "train": {"group_size": 2, "tasks_per_step": 2},
+                           "log": {"val_every": 2, "val_size": 2, "tensorboard": False}})
+    env = Notes(max_turns=3, max_tokens=40)
+    tiny = Policy.load("tiny", lora=config.lora, seed=1)
+    tasks = env.tasks(n=6)
+    task_set = TaskSet("", tasks[:4], tasks[4:], Reward([EnvScore("added")]), env=env)
+    run = TrainingRun(config, tiny, [task_set], tmp_path / "run", progress=False).run()
+    rows = read_metrics(run.dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["env/turns"] >= 1 and "env/finish/max_tokens" in rows[1] and "val/env/turns" in rows[2]
+    assert rows[1]["reward/added"] == 0.0  # random weights never write a valid add_note call
+    assert rows[1]["completion_len"] <= 40
+
+
+def test_training_logprobs_line_up_with_model_tokens_across_turns(policy):
+    """The trainer's per-token logprobs of a multi-turn trajectory: exactly the model's own
+    prediction at each generated token (after inserted tool results), 0 where the env wrote."""
+    import torch
+    import torch.nn.functional as F
+
+    from grooves.policy.logprobs import build_token_batch, completion_logprobs
+
+    env = Notes()
+    state = play(policy, env, [call("add_note", owner="a", body="x"), call("count", owner="a"), "two notes"])
+    t = trajectory(env, state)
+    assert t.completion_mask.count(0) > 20 and t.completion_mask[-1] == 1  # two tool results inserted
+    batch = build_token_batch([t])
+    with torch.no_grad():
+        logp, _ = completion_logprobs(policy.causal_lm, batch)
+        logits = policy.causal_lm(input_ids=batch.input_ids).logits[0]  # (L, V)
+    start = len(t.prompt_ids)
+    for i, (token, generated) in enumerate(zip(t.completion_ids, t.completion_mask)):
+        expected = F.log_softmax(logits[start + i - 1].float(), -1)[token].item() if generated else 0.0
+        assert logp[0, i].item() == pytest.approx(expected, abs=1e-4)

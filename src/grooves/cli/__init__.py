@@ -7,6 +7,7 @@ clear message and exits with code 2. Heavy imports happen inside the commands so
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Annotated
 
@@ -255,12 +256,30 @@ def demo(
 
 
 def _register_groups() -> None:
-    from grooves.cli import review, rewards, rm
+    from grooves.cli import envs, review, rewards, rm
 
+    app.add_typer(envs.app, name="env")
     app.add_typer(rm.app, name="rm")
     app.add_typer(rewards.rubric_app, name="rubric")
     app.add_typer(rewards.judge_app, name="judge")
     review.register(app)
+    for typer_app in [app] + [group.typer_instance for group in app.registered_groups]:
+        for command in typer_app.registered_commands:
+            if command.help is None and command.callback is not None:
+                command.help = reflow(inspect.getdoc(command.callback) or "")
+
+
+def reflow(text: str) -> str:
+    """A docstring as help text: the lines of a paragraph joined (Typer's rich help keeps them,
+    so a wrapped docstring prints ragged); list items stay on their own lines."""
+    paragraphs = []
+    for paragraph in text.split("\n\n"):
+        lines = paragraph.splitlines()
+        if any(line.lstrip().startswith(("- ", "* ")) or line.startswith(" ") for line in lines):
+            paragraphs.append(paragraph)
+        else:
+            paragraphs.append(" ".join(line.strip() for line in lines))
+    return "\n\n".join(paragraphs)
 
 
 _register_groups()

@@ -3,7 +3,7 @@ weighted reward that scores whole groups."""
 
 from grooves.rewards.client import Endpoint, JudgeCache, JudgeClient, JudgeError, ReplyError
 from grooves.rewards.compose import (
-    Component, Failed, Reward, RewardComponent, RewardReport, Score, Verifier, as_reward, import_object,
+    Component, EnvScore, Failed, Reward, RewardComponent, RewardReport, Score, Verifier, as_reward, import_object,
 )
 from grooves.rewards.guards import (
     FormatGuard, Guard, InjectionGuard, JudgeGuard, LexicalGrounding, supported_by_source,
@@ -12,7 +12,7 @@ from grooves.rewards.judges import GroupJudge, PointwiseJudge, YesNoCheck
 from grooves.rewards.rubric import Criterion, Example, Rubric, RubricError
 
 __all__ = [
-    "Component", "Criterion", "Endpoint", "Example", "Failed", "FormatGuard", "GroupJudge", "Guard",
+    "Component", "Criterion", "Endpoint", "EnvScore", "Example", "Failed", "FormatGuard", "GroupJudge", "Guard",
     "InjectionGuard", "JudgeCache", "JudgeClient", "JudgeError", "JudgeGuard", "LexicalGrounding",
     "PointwiseJudge", "ReplyError", "Reward", "RewardComponent", "RewardReport", "Rubric", "RubricError",
     "Score", "Verifier", "YesNoCheck", "as_reward", "import_object", "supported_by_source",

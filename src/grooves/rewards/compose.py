@@ -95,6 +95,20 @@ class RewardComponent:
         return f"{type(self).__name__}({self.name!r}, weight={self.weight})"
 
 
+class EnvScore(RewardComponent):
+    """A score the environment computed at the end of the rollout (``metadata["env_scores"]``),
+    e.g. helpdesk's ``action``: the final database is the expected one. A trajectory without
+    it (not from that env) fails, it does not score 0."""
+
+    async def score_group(self, group: Group) -> list[Score | Failed]:
+        out: list[Score | Failed] = []
+        for trajectory in group.trajectories:
+            scores = trajectory.metadata.get("env_scores", {})
+            out.append(Score(float(scores[self.name])) if self.name in scores
+                       else Failed(f"the rollout has no env score {self.name!r} (has: {sorted(scores)})"))
+        return out
+
+
 class Component(RewardComponent):
     """A verifier: a plain function scoring one trajectory (or, with ``completions``, a group)."""
 

@@ -75,8 +75,33 @@ def share_backbones(sets: list[TaskSet], policy: Policy) -> None:
                 model.base = (policy.model, policy.tokenizer)
 
 
+def env_task_set(config: RunConfig) -> TaskSet:
+    """The task set of an [env] run: the env's tasks, its scores as reward components."""
+    from grooves.envs import load_env
+    from grooves.rewards.compose import EnvScore
+
+    spec = config.env
+    try:
+        env = load_env(spec.name, **spec.options)
+    except (KeyError, ValueError, TypeError) as error:
+        raise ConfigError(f"env: {error.args[0] if error.args else error}") from None
+    weights = {**env.weights, **spec.weights}
+    unknown = sorted(set(spec.weights) - set(env.weights))
+    if unknown:
+        raise ConfigError(f"env.weights: {', '.join(unknown)} not scores of {spec.name!r}; "
+                          f"allowed: {', '.join(env.weights)}")
+    components = [EnvScore(name, weight) for name, weight in weights.items()]
+    extra = build_reward(config.reward).components if "reward" in config.model_fields_set else []
+    reward = Reward(components + extra, max_concurrency=config.reward.max_concurrency)
+    train = env.tasks("train", spec.train_tasks, seed=config.seed)
+    heldout = env.tasks("heldout", spec.heldout_tasks, seed=config.seed) if spec.heldout_tasks else []
+    return TaskSet("", train, heldout, reward, env=env)
+
+
 def task_sets(config: RunConfig) -> list[TaskSet]:
-    """The run's task sets: one from [tasks] and [reward], or one per [[mix]] table."""
+    """The run's task sets: one from [tasks] and [reward], one from [env], or one per [[mix]] table."""
+    if config.env is not None:
+        return [env_task_set(config)]
     entries = [(m.name, m.tasks, m.reward, m.weight) for m in config.mix] or [("", config.tasks, config.reward, 1.0)]
     sets = []
     for name, tasks, reward, weight in entries:

@@ -12,7 +12,7 @@ import re
 import tomllib
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticUndefined
@@ -49,6 +49,20 @@ class TasksConfig(_Section):
                                         "that builds the user message, e.g. 'Summarise: {text}'. Without "
                                         "it each task needs a 'prompt' column.")
     system: str | None = Field(None, description="System message put before each prompt.")
+
+
+class EnvConfig(_Section):
+    """An agent environment (`grooves env list`): it brings its own tasks, tools and scores."""
+
+    name: str = Field(description="A registered env: 'helpdesk', 'search', or one a package registers "
+                      "(entry-point group 'grooves.envs').")
+    options: dict[str, Any] = Field(default_factory=dict, description="Env settings, e.g. max_turns, "
+                                    "max_tokens (generated tokens per rollout, all turns), tool_timeout_s, "
+                                    "db_seed.")
+    train_tasks: int = Field(200, ge=1, description="Tasks generated for training.")
+    heldout_tasks: int = Field(40, ge=0, description="Held-out tasks generated for validation.")
+    weights: dict[str, float] = Field(default_factory=dict, description="Weight of each env score in the "
+                                      "total (default: the env's own weights); 0 logs a score only.")
 
 
 class MixConfig(_Section):
@@ -143,6 +157,8 @@ class RunConfig(_Section):
     lora: LoRA = Field(default_factory=LoRA)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     reward: RewardConfig = Field(default_factory=lambda: RewardConfig(builtin="titles"))
+    env: EnvConfig | None = Field(None, description="Train an agent in an environment ([env]); replaces "
+                                  "[tasks]. The reward is the env's scores, plus any [[reward.components]].")
     mix: list[MixConfig] = Field(default_factory=list, description="Several task sets for one adapter, "
                                  "each with its own reward and weight ([[mix]] tables); replaces [tasks] and "
                                  "[reward].")
@@ -165,6 +181,8 @@ class RunConfig(_Section):
     def _mix_or_single(self) -> RunConfig:
         if self.mix and {"tasks", "reward"} & self.model_fields_set:
             raise ValueError("give either [tasks] and [reward], or [[mix]] task sets, not both")
+        if self.env is not None and {"tasks", "mix"} & self.model_fields_set:
+            raise ValueError("an [env] brings its own tasks: leave out [tasks] and [[mix]]")
         names = [m.name for m in self.mix]
         if len(set(names)) != len(names):
             raise ValueError(f"[[mix]] names must be unique: {names}")
@@ -230,6 +248,7 @@ def config_reference() -> str:
     sections = [("(top level)", RunConfig, base)] + [
         (f"[{name}]", field.annotation, getattr(base, name)) for name, field in RunConfig.model_fields.items()
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)]
+    sections.insert(len(sections) - 4, ("[env] (an agent environment instead of [tasks])", EnvConfig, None))
     for name, field in MonitorsConfig.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             sections.append((f"[monitors.{name}]", field.annotation, getattr(base.monitors, name)))
@@ -242,7 +261,7 @@ def config_reference() -> str:
         lines += [f"## {title}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for name, field in model.model_fields.items():
             annotation = field.annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if _is_section(annotation):
                 continue
             kind = _type_name(annotation)
             default = getattr(defaults, name) if defaults is not None else field.get_default(call_default_factory=True)
@@ -253,11 +272,20 @@ def config_reference() -> str:
     return "\n".join(lines)
 
 
+def _is_section(annotation) -> bool:
+    """A nested table (a model, or an optional model) that gets its own section."""
+    options = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return any(isinstance(a, type) and issubclass(a, BaseModel) for a in options)
+
+
 def _type_name(annotation) -> str:
     if get_origin(annotation) is list and get_origin(get_args(annotation)[0]) is Annotated:
         return "list of tables (see below)"
     if get_origin(annotation) is dict:
-        return "tables by name (see below)"
+        value = get_args(annotation)[1] if get_args(annotation) else Any
+        if isinstance(value, type) and issubclass(value, BaseModel):
+            return "tables by name (see below)"
+        return "table of KEY = value" if value is Any else f"table of KEY = {_type_name(value)}"
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(f"`{value!r}`" for value in get_args(annotation))
     if get_origin(annotation) in (Union, UnionType):

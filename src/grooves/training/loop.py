@@ -26,6 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.text import Text
 
 from grooves.algorithms import has_signal
+from grooves.envs.rollout import env_metrics
 from grooves.monitors import Alert, Monitors
 from grooves.policy.policy import Policy
 from grooves.policy.sampler import Sampling
@@ -83,8 +84,10 @@ class TrainingRun:
                                      max_new_tokens=s.max_completion_length, stop=tuple(s.stop), seed=config.seed)
         self.mix = TaskMix(task_sets, seed=config.seed)
         self.generator = torch.Generator(device=policy.device).manual_seed(config.seed)
+        # An agent's rollout spans turns: its length budget is the env's, not one turn's.
+        max_length = max([s.max_completion_length] + [t.env.max_tokens for t in task_sets if t.env is not None])
         self.trainer = Trainer(policy, config.algorithm, config.optim, temperature=s.temperature,
-                               max_completion_length=s.max_completion_length, total_steps=config.steps,
+                               max_completion_length=max_length, total_steps=config.steps,
                                use_sampler_logprobs=config.train.use_sampler_logprobs,
                                share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
                                max_staleness=config.train.max_staleness)
@@ -134,6 +137,7 @@ class TrainingRun:
         sample_time = time.perf_counter() - t0
         metrics = self._reward_metrics(sampled, reports, "reward")
         metrics["completion_len"], metrics["train/truncated_ratio"] = completion_stats(sampled)
+        metrics.update(env_metrics(sampled))
         metrics["frac_reward_zero_std"] = sum(not has_signal(_rewards(g)) for g in sampled) / len(sampled)
         metrics["train/sampling_rounds"] = float(rounds)
         metrics["train/groups_dropped"] = float(len(sampled) - len(kept))
@@ -201,10 +205,15 @@ class TrainingRun:
         while True:
             rounds += 1
             drawn = self._take_tasks(target - len(kept) if alg.dynamic_sampling else target)
-            groups = rollout_groups(self.policy, [t for _, t in drawn], [s.render(t) for s, t in drawn],
-                                    self.config.train.group_size, self.sampling, self.generator, self.trainer.step)
-            for (task_set, _), group in zip(drawn, groups):
-                group.metadata["task_set"] = task_set.name
+            groups = []
+            for task_set in self.sets:  # an env's tasks roll out with its tools, the others as one batch
+                own = [t for s, t in drawn if s is task_set]
+                if own:
+                    groups += rollout_groups(self.policy, own, [task_set.render(t) for t in own],
+                                             self.config.train.group_size, self.sampling, self.generator,
+                                             self.trainer.step, task_set.env)
+                    for group in groups[-len(own):]:
+                        group.metadata["task_set"] = task_set.name
             for task_set in self.sets:
                 task_set.reward.score([g for g in groups if g.metadata["task_set"] == task_set.name],
                                       reports[task_set.name])
@@ -261,13 +270,14 @@ class TrainingRun:
             tasks = self.heldout[task_set.name]
             if tasks:
                 evaluation = evaluate(self.policy, tasks, [task_set.render(t) for t in tasks], task_set.reward,
-                                      self.val_sampling, step)
+                                      self.val_sampling, step, task_set.env)
                 for group in evaluation.groups:
                     group.metadata["task_set"] = task_set.name
                 groups += evaluation.groups
                 reports[task_set.name] = evaluation.report
         metrics = self._reward_metrics(groups, reports, "val/reward")
         metrics["val/completion_len"], metrics["val/truncated_ratio"] = completion_stats(groups)
+        metrics.update(env_metrics(groups, "val/env"))
         self.evaluations[step] = Evaluation(groups, metrics)
         self.store.record_groups(step, groups, split="val")
         self._raise(step, self.monitors.observe_heldout(step, groups))

@@ -1,4 +1,5 @@
-"""Single-turn rollouts: prompts -> G sampled completions each -> Groups of Trajectories."""
+"""Rollouts: prompts -> G sampled completions each -> Groups of Trajectories; for an agent env,
+G multi-turn rollouts per task (``grooves.envs.rollout``), every turn batched across them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grooves.envs.base import Env
+from grooves.envs.rollout import env_groups, sampler_generate
 from grooves.policy.policy import Policy
 from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import Reward, RewardReport
@@ -15,7 +18,11 @@ from grooves.types import Group, Message, Task, Trajectory
 
 
 def rollout_groups(policy: Policy, tasks: list[Task], prompts: list[list[Message]], n: int,
-                   sampling: Sampling, generator: torch.Generator | None, policy_step: int) -> list[Group]:
+                   sampling: Sampling, generator: torch.Generator | None, policy_step: int,
+                   env: Env | None = None) -> list[Group]:
+    if env is not None:
+        generate = sampler_generate(policy, sampling.temperature, sampling.top_p, generator)
+        return env_groups(policy, env, tasks, n, generate, sampling.max_new_tokens, policy_step)
     completions = policy.sampler().generate(prompts, n=n, sampling=sampling, generator=generator)
     groups = []
     for task, prompt, samples in zip(tasks, prompts, completions):
@@ -74,7 +81,7 @@ def completion_stats(groups: list[Group]) -> tuple[float, float]:
     trajectories = [t for g in groups for t in g.trajectories]
     if not trajectories:
         return math.nan, math.nan
-    mean_len = statistics.fmean(len(t.completion_ids) for t in trajectories)
+    mean_len = statistics.fmean(sum(t.completion_mask) for t in trajectories)  # model tokens only
     return mean_len, sum(t.truncated for t in trajectories) / len(trajectories)
 
 
@@ -92,11 +99,11 @@ class Evaluation:
 
 
 def evaluate(policy: Policy, tasks: list[Task], prompts: list[list[Message]], reward: Reward,
-             sampling: Sampling, policy_step: int) -> Evaluation:
+             sampling: Sampling, policy_step: int, env: Env | None = None) -> Evaluation:
     generator = None
     if sampling.temperature > 0:
         generator = torch.Generator(device=policy.device).manual_seed(sampling.seed or 0)
-    groups = rollout_groups(policy, tasks, prompts, 1, sampling, generator, policy_step)
+    groups = rollout_groups(policy, tasks, prompts, 1, sampling, generator, policy_step, env)
     report = reward.score(groups)
     metrics = reward_metrics(groups, reward, report, prefix="val/reward")
     metrics["val/completion_len"], metrics["val/truncated_ratio"] = completion_stats(groups)

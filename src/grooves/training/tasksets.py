@@ -1,7 +1,7 @@
 """Task sets: what a run trains on, one set or a weighted mix of several.
 
 A ``TaskSet`` bundles tasks, held-out tasks, prompt rendering and the reward that scores
-them. A run with several sets (``[[mix]]`` in the config) trains one adapter on all of
+them (and, for an agent, the env whose tools its rollouts use). A run with several sets (``[[mix]]`` in the config) trains one adapter on all of
 them: ``TaskMix`` draws each task's set by weight, in an order fixed by the seed and the
 draw number, so a resumed run draws the same sequence. Metrics of a mixed run are
 reported per set under ``task/<name>/...`` besides the overall ``reward/total``.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from grooves.envs.base import Env
 from grooves.rewards.compose import Reward
 from grooves.tasks.sources import TaskStream, render_prompt
 from grooves.types import Message, Task
@@ -26,8 +27,11 @@ class TaskSet:
     prompt_template: str | None = None
     system: str | None = None
     weight: float = 1.0
+    env: Env | None = None  # an agent env: multi-turn rollouts with its tools
 
     def render(self, task: Task) -> list[Message]:
+        if self.env is not None:
+            return self.env.prompt(task)
         return render_prompt(task, self.prompt_template, self.system)
 
     def prefix(self, metric: str) -> str:

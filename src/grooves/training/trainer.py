@@ -243,7 +243,7 @@ def prepare_batch(groups: list[Group], alg: Algorithm, max_completion_length: in
         return PreparedBatch([], torch.zeros(0), metrics)
     rewards = torch.tensor([t.reward for t in kept], dtype=torch.float64)
     if alg.overlong_buffer > 0:
-        lengths = torch.tensor([len(t.completion_ids) for t in kept])
+        lengths = torch.tensor([sum(t.completion_mask) for t in kept])  # model tokens (env turns excluded)
         buffer = max(1, int(alg.overlong_buffer * max_completion_length))
         penalty = overlong_penalty(lengths, max_completion_length, buffer, alg.overlong_penalty).double()
         rewards = rewards + penalty

@@ -1,0 +1,316 @@
+"""Helpdesk: a customer-support agent on a sealed shop database (SQLite).
+
+Tables: ``customers``, ``products`` (each in a category), ``refund_policy`` (the refund
+window in days of each category), ``orders``, ``order_items`` and ``tickets`` (the log of
+refunds and address changes). The data comes from small word lists and ``db_seed``; "today"
+is fixed (``TODAY``), so every date and refund window is reproducible.
+
+Tasks are customer messages made from the seeded data:
+
+===================  ============================================  =======================
+kind                 the customer asks                             right outcome
+===================  ============================================  =======================
+``refund``           money back for an order inside its window     refund: order + ticket
+``refuse_late``      the same, past the order's refund window      no change; say why
+``refuse_refunded``  the same, for an order already refunded       no change; say why
+``refuse_other``     a refund of order #N, another customer's      no change; say why
+``status``           where an order is (processing or shipped)     no change; the status
+``address``          a new postal address                          address + ticket
+===================  ============================================  =======================
+
+The tools do not check the policy (the agent must), so refunding everything fails the
+refusals, about 38% of the tasks. Customers whose id is a multiple of 5 are held out.
+
+Score components, each in [0, 1]: ``action`` (the database changed exactly as expected;
+where nothing should change, only once the customer was looked up, so doing nothing is not
+free), ``reply`` (share of the required facts in the final reply; 0 for a refund reply that
+also says it cannot refund), ``customer`` (find_customer found the asker), ``order`` (get_order
+opened the order meant, divided by the distinct orders opened; for address tasks equal to
+``customer``) and ``format`` (share of tool calls that parsed, named a tool and had valid
+arguments).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import random
+import sqlite3
+from typing import Any, ClassVar
+
+from grooves.envs.base import State, tool
+from grooves.envs.sqlite import SQLiteApp
+from grooves.types import Task
+
+TODAY = datetime.date(2024, 6, 30)
+FIRST = ["jane", "omar", "li", "sara", "tom", "ana", "raj", "eva"]
+LAST = ["doe", "khan", "chen", "berg", "ross", "silva", "patel", "novak"]
+COLORS = ["blue", "red", "green", "black", "white"]
+ITEMS = {"kettle": "kitchen", "toaster": "kitchen", "mug": "kitchen", "lamp": "home", "blanket": "home",
+         "rug": "home", "headphones": "electronics", "speaker": "electronics", "charger": "electronics"}
+WINDOW_DAYS = {"kitchen": 30, "home": 60, "electronics": 14}
+STREETS, CITIES = ["Elm", "Oak", "Mill", "Park", "Lake", "High"], ["Springfield", "Riverton", "Lakeside", "Fairview"]
+STORIES = {"processing": 1, "shipped": 2, "recent": 8, "late": 3, "refunded": 2}  # an order's story: its weight
+FORMAT_ERRORS = ("tool_errors/malformed", "tool_errors/unknown_tool", "tool_errors/bad_arguments")
+REFUSAL = ["cannot", "can't", "can not", "unable", "not able", "won't", "not eligible"]
+REASONS = {"refuse_late": ["window", "expired", "too late", "days"], "refuse_refunded": ["already"],
+           "refuse_other": ["belong", "your account", "another customer", "not yours", "not your order"]}
+REFUSED = ["cannot refund", "can't refund", "unable to refund", "not eligible"]  # contradicts a refund
+ASKS = {"refund": ["My order of the {product} arrived broken, can I get my money back?",
+                   "I want a refund for the {product} I ordered, it does not work."],
+        "refuse_other": ["Please refund order #{order}, the {product} stopped working."],
+        "status": ["Where is my {product}? I ordered it on {placed_on}."],
+        "address": ["I moved, please change my address to {address}."]}
+
+SCHEMA = """
+CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT NOT NULL, email TEXT UNIQUE NOT NULL, address TEXT);
+CREATE TABLE refund_policy (category TEXT PRIMARY KEY, window_days INTEGER NOT NULL);
+CREATE TABLE products (id INTEGER PRIMARY KEY, name TEXT, category TEXT REFERENCES refund_policy, price REAL);
+CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER REFERENCES customers, placed_on TEXT,
+                     status TEXT, total REAL);
+CREATE TABLE order_items (id INTEGER PRIMARY KEY, order_id INTEGER REFERENCES orders,
+                          product_id INTEGER REFERENCES products, quantity INTEGER);
+CREATE TABLE tickets (id INTEGER PRIMARY KEY, customer_id INTEGER REFERENCES customers,
+                      order_id INTEGER REFERENCES orders, kind TEXT, amount REAL);
+"""
+ORDER = """SELECT o.*, date(o.placed_on, '+' || min(r.window_days) || ' days') AS refund_window_ends
+           FROM orders o JOIN order_items i ON i.order_id = o.id JOIN products p ON p.id = i.product_id
+           JOIN refund_policy r ON r.category = p.category WHERE o.id = ? GROUP BY o.id"""
+ITEMS_OF = """SELECT p.id AS product_id, p.name, i.quantity FROM order_items i JOIN products p ON p.id = i.product_id
+              WHERE i.order_id = ? ORDER BY i.id"""
+
+
+def address(rng: random.Random) -> str:
+    return f"{rng.randint(1, 99)} {rng.choice(STREETS)} Street, {rng.choice(CITIES)}"
+
+
+def ticket(customer_id: int, order_id: int | None, kind: str, amount: float | None) -> dict[str, Any]:
+    return {"customer_id": customer_id, "order_id": order_id, "kind": kind, "amount": amount}
+
+
+class Helpdesk(SQLiteApp):
+    name = "helpdesk"
+    description = "customer support on a shop database: refunds (or refusals), address changes, order status"
+    schema: ClassVar[str] = SCHEMA
+    weights: ClassVar[dict[str, float]] = {"action": 0.4, "reply": 0.2, "customer": 0.15, "order": 0.15,
+                                           "format": 0.1}
+    max_tokens = 1024
+    customers = 40
+    system_prompt: ClassVar[str] = (
+        f"You are the support agent of an online shop. Today is {TODAY}. Look the customer up by email or "
+        "name (find_customer), find the order they mean (list_orders, get_order) and follow the policy:\n"
+        "- Refund (issue_refund, the whole order total) only an order of the customer who asks, not refunded "
+        "already, and only up to its refund_window_ends date (get_order shows it; the window is "
+        + ", ".join(f"{days} days for {category}" for category, days in WINDOW_DAYS.items()) + " items).\n"
+        "- A new address: update_address with the address exactly as the customer wrote it.\n"
+        "- A question about an order: tell them its status.\n"
+        "The tools do not check the policy; you do. End with reply(message): what you did and the amount "
+        "refunded, or why you cannot refund, or the order's status.")
+
+    def seed_data(self, db: sqlite3.Connection, rng: random.Random) -> None:
+        db.executemany("INSERT INTO refund_policy VALUES (?, ?)", WINDOW_DAYS.items())
+        products = [(f"{color} {item}", category, rng.randint(8, 120) + 0.99)
+                    for color, (item, category) in itertools.product(COLORS, ITEMS.items())]
+        db.executemany("INSERT INTO products (name, category, price) VALUES (?, ?, ?)", products)
+        for cid, (first, last) in enumerate(rng.sample(list(itertools.product(FIRST, LAST)), self.customers), 1):
+            db.execute("INSERT INTO customers VALUES (?, ?, ?, ?)",
+                       (cid, f"{first.title()} {last.title()}", f"{first}.{last}@example.com", address(rng)))
+            bought = rng.sample(range(1, len(products) + 1), 6)  # distinct, so a product names one order
+            for k in range(3):
+                items = [(pid, rng.choice([1, 1, 1, 2])) for pid in bought[2 * k: 2 * k + 1 + (rng.random() < 0.3)]]
+                window = min(WINDOW_DAYS[products[pid - 1][1]] for pid, _ in items)
+                story = rng.choices(list(STORIES), list(STORIES.values()))[0]
+                age = {"processing": (0, 1), "shipped": (2, 5), "late": (window + 3, window + 60)}.get(story,
+                                                                                                   (6, window - 1))
+                status = "delivered" if story in ("recent", "late") else story
+                total = round(sum(products[pid - 1][2] * quantity for pid, quantity in items), 2)
+                placed_on = (TODAY - datetime.timedelta(days=rng.randint(*age))).isoformat()
+                oid = db.execute("INSERT INTO orders (customer_id, placed_on, status, total) VALUES (?, ?, ?, ?)",
+                                 (cid, placed_on, status, total)).lastrowid
+                db.executemany("INSERT INTO order_items (order_id, product_id, quantity) VALUES (?, ?, ?)",
+                               [(oid, pid, quantity) for pid, quantity in items])
+                if status == "refunded":
+                    db.execute("INSERT INTO tickets (customer_id, order_id, kind, amount) VALUES (?, ?, ?, ?)",
+                               tuple(ticket(cid, oid, "refund", total).values()))
+
+    # --- tools ----------------------------------------------------------------------
+
+    def _order(self, db: sqlite3.Connection, order_id: int) -> dict[str, Any]:
+        order = self.row(db, ORDER, order_id)
+        if order is None:
+            raise ValueError(f"no order with id {order_id}")
+        return order | {"items": self.rows(db, ITEMS_OF, order_id)}
+
+    @tool
+    def find_customer(self, state: State, query: str) -> dict[str, Any]:
+        """Find a customer by email address or full name.
+
+        Args:
+            query: the customer's email address or full name, as they wrote it
+        """
+        query = " ".join(query.split())
+        found = self.row(self.db(state), "SELECT * FROM customers WHERE lower(email) = lower(?) "
+                                         "OR lower(name) = lower(?)", query, query)
+        if found is None:
+            raise ValueError(f"no customer with email or name {query!r}")
+        state.data.setdefault("customers", []).append(found["id"])
+        return found
+
+    @tool
+    def list_orders(self, state: State, customer_id: int) -> list[dict[str, Any]]:
+        """A customer's orders, newest first: id, date placed and the products in each.
+
+        Args:
+            customer_id: the customer's id (from find_customer)
+        """
+        db = self.db(state)
+        if self.row(db, "SELECT id FROM customers WHERE id = ?", customer_id) is None:
+            raise ValueError(f"no customer with id {customer_id}")
+        orders = self.rows(db, "SELECT id, placed_on FROM orders WHERE customer_id = ? "
+                               "ORDER BY placed_on DESC, id DESC", customer_id)
+        return [o | {"items": [i["name"] for i in self.rows(db, ITEMS_OF, o["id"])]} for o in orders]
+
+    @tool
+    def get_order(self, state: State, order_id: int) -> dict[str, Any]:
+        """One order in full: its customer, status, total, the last day it can be refunded and its items.
+
+        Args:
+            order_id: the order's id
+        """
+        order = self._order(self.db(state), order_id)
+        state.data.setdefault("orders", []).append(order_id)
+        return order
+
+    @tool
+    def get_product(self, state: State, product_id: int) -> dict[str, Any]:
+        """A product: name, category, price and the refund window of its category in days.
+
+        Args:
+            product_id: the product's id (get_order lists them)
+        """
+        found = self.row(self.db(state), "SELECT p.*, r.window_days AS refund_window_days FROM products p "
+                                         "JOIN refund_policy r ON r.category = p.category WHERE p.id = ?", product_id)
+        if found is None:
+            raise ValueError(f"no product with id {product_id}")
+        return found
+
+    @tool
+    def issue_refund(self, state: State, order_id: int) -> dict[str, Any]:
+        """Refund an order's whole total to the customer who placed it. It does not check the policy.
+
+        Args:
+            order_id: the order's id
+        """
+        db = self.db(state)
+        order = self._order(db, order_id)
+        with db:  # one transaction: the order and its ticket together
+            db.execute("UPDATE orders SET status = 'refunded' WHERE id = ?", (order_id,))
+            db.execute("INSERT INTO tickets (customer_id, order_id, kind, amount) VALUES (?, ?, 'refund', ?)",
+                       (order["customer_id"], order_id, order["total"]))
+        return {"order_id": order_id, "refunded": order["total"]}
+
+    @tool
+    def update_address(self, state: State, customer_id: int, address: str) -> dict[str, Any]:
+        """Change a customer's postal address.
+
+        Args:
+            customer_id: the customer's id (from find_customer)
+            address: the new address, as the customer wrote it
+        """
+        db, address = self.db(state), " ".join(address.split())
+        with db:
+            if db.execute("UPDATE customers SET address = ? WHERE id = ?", (address, customer_id)).rowcount == 0:
+                raise ValueError(f"no customer with id {customer_id}")
+            db.execute("INSERT INTO tickets (customer_id, kind) VALUES (?, 'address')", (customer_id,))
+        return {"customer_id": customer_id, "address": address}
+
+    @tool
+    def reply(self, state: State, message: str) -> str:
+        """Send the final reply to the customer; this ends the conversation.
+
+        Args:
+            message: what you did, or why you cannot do it, or the order's status
+        """
+        self.finish(state, message, "answer")
+        return "sent"
+
+    # --- tasks and scoring -----------------------------------------------------------------
+
+    def tasks(self, split: str = "train", n: int | None = None, seed: int = 0) -> list[Task]:
+        if split not in ("train", "heldout"):
+            raise ValueError(f"helpdesk: unknown split {split!r}; the splits are train and heldout")
+        pool = [t for t in self._all_tasks() if (t["expected"]["customer_id"] % 5 == 0) == (split == "heldout")]
+        random.Random(seed).shuffle(pool)
+        return pool[:n]
+
+    def _all_tasks(self) -> list[Task]:
+        """One task per order of each customer (its story decides the kind), and one more per customer:
+        a new address (even ids) or a refund of someone else's recent order (odd ids)."""
+        db, rng = self.template, random.Random(f"{self.db_seed}:tasks")
+        since = (TODAY - datetime.timedelta(days=min(WINDOW_DAYS.values()))).isoformat()
+        recent = self.rows(db, "SELECT id, customer_id FROM orders WHERE status = 'delivered' AND placed_on > ?", since)
+        out = []
+        for customer in self.rows(db, "SELECT * FROM customers ORDER BY id"):
+            cid = customer["id"]
+            for own in self.rows(db, "SELECT id FROM orders WHERE customer_id = ? ORDER BY id", cid):
+                order = self._order(db, own["id"])
+                kind = {"processing": "status", "shipped": "status", "refunded": "refuse_refunded"}.get(
+                    order["status"], "refund" if order["refund_window_ends"] >= TODAY.isoformat() else "refuse_late")
+                out.append(self._task(customer, order, kind, rng))
+            if cid % 2:
+                other = rng.choice([o["id"] for o in recent if o["customer_id"] != cid])
+                out.append(self._task(customer, self._order(db, other), "refuse_other", rng))
+            else:
+                out.append(self._task(customer, None, "address", rng))
+        return out
+
+    def _task(self, customer: dict, order: dict | None, kind: str, rng: random.Random) -> Task:
+        cid, new_address = customer["id"], address(rng) if kind == "address" else None
+        changes, contradicting = {}, []
+        if kind == "refund":
+            facts, contradicting = [[f"{order['total']:.2f}"], ["refund"]], REFUSED
+            changes = {"orders": {"updated": {str(order["id"]): {"status": "refunded"}}},
+                       "tickets": {"added": [ticket(cid, order["id"], "refund", order["total"])]}}
+        elif kind == "address":
+            facts = [[new_address.lower()]]
+            changes = {"customers": {"updated": {str(cid): {"address": new_address}}},
+                       "tickets": {"added": [ticket(cid, None, "address", None)]}}
+        elif kind == "status":
+            facts = [[order["status"]]]
+        else:
+            facts = [REFUSAL, REASONS[kind]]
+        who = customer["email"] if rng.random() < 0.5 else customer["name"]
+        about = {"product": order["items"][0]["name"], "order": order["id"], "placed_on": order["placed_on"]} \
+            if order else {}
+        ask = rng.choice(ASKS.get(kind, ASKS["refund"])).format(address=new_address, **about)
+        return {"id": f"helpdesk-{kind}-{cid}-{order['id'] if order else 'address'}",
+                "prompt": f"Hi, I'm {who}. {ask}", "kind": kind,
+                "expected": {"customer_id": cid, "order_id": order["id"] if order else None, "changes": changes,
+                             "facts": facts, "contradicting": contradicting}}
+
+    def changes(self, state: State) -> dict[str, Any]:
+        """The rollout's changes in the form of a task's ``expected.changes``: per table, the changed
+        columns of ``updated`` rows by key, the ``added`` rows without their key, the ``removed`` keys."""
+        out = {}
+        for table, diff in self.changed_rows(state).items():
+            parts = {"updated": {str(next(iter(b.values()))): {k: v for k, v in a.items() if b[k] != v}
+                                 for b, a in diff["changed"]},
+                     "added": [dict(list(row.items())[1:]) for row in diff["added"]],
+                     "removed": [next(iter(row.values())) for row in diff["removed"]]}
+            out[table] = {k: v for k, v in parts.items() if v}
+        return out
+
+    def score(self, state: State) -> dict[str, float]:
+        expected = state.task["expected"]
+        customer = float(expected["customer_id"] in state.data.get("customers", []))
+        opened = set(state.data.get("orders", []))
+        action = self.changes(state) == expected["changes"] and (bool(expected["changes"]) or customer == 1.0)
+        answer = (state.answer or "").lower().replace("\u2019", "'")
+        said = sum(any(word in answer for word in words) for words in expected["facts"]) / len(expected["facts"])
+        calls = state.counters["tool_calls"] + state.counters["tool_errors/malformed"]
+        bad = sum(state.counters[key] for key in FORMAT_ERRORS)
+        return {"action": float(action),
+                "reply": 0.0 if any(word in answer for word in expected["contradicting"]) else said,
+                "customer": customer,
+                "order": (expected["order_id"] in opened) / max(1, len(opened)) if expected["order_id"] else customer,
+                "format": 1.0 - bad / calls if calls else 1.0}
