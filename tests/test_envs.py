@@ -42,7 +42,14 @@ class Notes(SQLiteApp):
 
     @tool
     def count(self, state, owner: str, at_least: int = 0) -> int:
-        """Count an owner's notes."""
+        """Count an owner's notes.
+
+        Args:
+            owner: Whose notes.
+
+        Returns:
+            The number of notes.
+        """
         return self.db(state).execute("SELECT count(*) FROM notes WHERE owner = ?", (owner,)).fetchone()[0]
 
     @tool
@@ -113,6 +120,8 @@ def test_tool_schemas_come_from_signatures_and_docstrings():
         "properties": {"owner": {"type": "string", "description": "Who the note belongs to."},
                        "body": {"type": "string", "description": "The note's text."}}}
     assert schema["count"]["parameters"]["properties"]["at_least"] == {"type": "integer", "default": 0}
+    assert schema["count"]["parameters"]["properties"]["owner"]["description"] == "Whose notes."
+    assert "Returns" not in schema["count"]["parameters"]["properties"]
     assert schema["dump"]["parameters"]["properties"] == {}
 
 
@@ -292,3 +301,16 @@ def test_training_logprobs_line_up_with_model_tokens_across_turns(policy):
     for i, (token, generated) in enumerate(zip(t.completion_ids, t.completion_mask)):
         expected = F.log_softmax(logits[start + i - 1].float(), -1)[token].item() if generated else 0.0
         assert logp[0, i].item() == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_package_registers_an_env_through_an_entry_point(tmp_path, monkeypatch):
+    """What a third-party package's pyproject [project.entry-points."grooves.envs"] installs."""
+    (tmp_path / "acme_envs.py").write_text(
+        "from grooves.envs import Env\n\nclass Shop(Env):\n    name = 'shop'\n    description = 'a shop'\n")
+    dist = tmp_path / "acme_envs-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-envs\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[grooves.envs]\nshop = acme_envs:Shop\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert available()["shop"] == "acme_envs:Shop"
+    assert load_env("shop").description == "a shop"

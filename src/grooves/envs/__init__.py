@@ -42,7 +42,7 @@ def env_class(name: str) -> type[Env]:
     return cls
 
 
-def load_env(name: str, **options) -> Env:
+def load_env(name: str, /, **options) -> Env:
     return env_class(name)(**options)
 
 

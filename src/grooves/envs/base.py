@@ -129,6 +129,8 @@ def make_tool(fn: Callable, name: str | None = None) -> Tool:
     described: dict[str, str] = {}
     current = None
     for line in args_block.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith(":"):
+            break  # the next section (Returns:, Raises:) is not about the arguments
         match = _ARG_LINE.match(line)
         if match and (not line.startswith(" " * 8)):
             current = match.group(1)
@@ -156,6 +158,7 @@ class Env:
     description: ClassVar[str] = ""
     system_prompt: ClassVar[str | None] = None
     weights: ClassVar[dict[str, float]] = {}  # score component -> weight in the total
+    success: ClassVar[str] = ""  # the score that says the task was solved (benchmarks' success rate)
     max_turns: int = 8
     max_tokens: int = 512  # generated tokens per rollout, all turns together
     tool_timeout_s: float = 5.0
@@ -164,9 +167,22 @@ class Env:
 
     def __init__(self, **options: Any):
         for key, value in options.items():
-            if not hasattr(self, key) or key.startswith("_") or callable(getattr(type(self), key, None)):
-                raise ValueError(f"{self.name}: unknown option {key!r}")
+            if key not in self.option_names():
+                raise ValueError(f"{self.name}: unknown option {key!r}; allowed: {', '.join(self.option_names())}")
             setattr(self, key, value)
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """Settings a config's ``[env] options`` may change: plain public class values (numbers,
+        strings, flags), not the env's identity (``name``, ``weights``, ...) or its methods."""
+        fixed = {"name", "description", "weights", "schema"}
+        names = set()
+        for klass in cls.__mro__:
+            for key, value in vars(klass).items():
+                if (not key.startswith("_") and key not in fixed and isinstance(value, (int, float, str, bool))
+                        and not isinstance(value, type)):
+                    names.add(key)
+        return sorted(names)
 
     # --- what subclasses provide --------------------------------------------------
 
@@ -183,6 +199,12 @@ class Env:
 
     def close(self, state: State) -> None:
         """Release ``state.resources``."""
+
+    def solved(self, scores: dict[str, float]) -> bool:
+        """Whether a rollout with these scores solved its task: its ``success`` score is 1
+        (without one: every score is 1)."""
+        keys = [self.success] if self.success else list(scores)
+        return all(scores[k] >= 1.0 - 1e-9 for k in keys)
 
     # --- the contract --------------------------------------------------------------
 
@@ -205,6 +227,7 @@ class Env:
         return messages + (list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
 
     def reset(self, task: Task, seed: int = 0) -> State:
+        # Seeded by the task, not the sample: the G rollouts of a group face the same world.
         state = State(task=task, messages=self.prompt(task), rng=random.Random(f"{seed}:{task.get('id')}"))
         self.setup(state)
         return state

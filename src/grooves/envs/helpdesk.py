@@ -1,11 +1,10 @@
 """Helpdesk: a customer-support agent on a sealed shop database (SQLite).
 
-Tables: ``customers``, ``products`` (each in a category), ``refund_policy`` (the refund
-window in days of each category), ``orders``, ``order_items`` and ``tickets`` (the log of
-refunds and address changes). The data comes from small word lists and ``db_seed``; "today"
-is fixed (``TODAY``), so every date and refund window is reproducible.
+Tables: ``customers``, ``products`` (each in a category), ``refund_policy`` (the refund window
+in days per category), ``orders``, ``order_items`` and ``tickets`` (the log of refunds and
+address changes), seeded from small word lists and ``db_seed``. "Today" is fixed (``TODAY``).
 
-Tasks are customer messages made from the seeded data:
+Tasks are customer messages made from the seeded data, with the expected outcome:
 
 ===================  ============================================  =======================
 kind                 the customer asks                             right outcome
@@ -19,15 +18,15 @@ kind                 the customer asks                             right outcome
 ===================  ============================================  =======================
 
 The tools do not check the policy (the agent must), so refunding everything fails the
-refusals, about 38% of the tasks. Customers whose id is a multiple of 5 are held out.
+refusals, about 36% of the tasks. Customers whose id is a multiple of 5 are held out.
 
-Score components, each in [0, 1]: ``action`` (the database changed exactly as expected;
-where nothing should change, only once the customer was looked up, so doing nothing is not
+Score components, each in [0, 1]: ``action`` (the database changed exactly as expected; a
+task without a change counts only once the customer was looked up, so doing nothing is not
 free), ``reply`` (share of the required facts in the final reply; 0 for a refund reply that
-also says it cannot refund), ``customer`` (find_customer found the asker), ``order`` (get_order
-opened the order meant, divided by the distinct orders opened; for address tasks equal to
-``customer``) and ``format`` (share of tool calls that parsed, named a tool and had valid
-arguments).
+also says it cannot refund), ``customer`` (find_customer found the asker), ``order``
+(get_order opened the order meant, divided by the distinct orders opened; for address tasks
+equal to ``customer``), ``format`` (share of tool calls that parsed, named a tool and had
+valid arguments; 0 without any, so chatting is not safer than trying a call).
 """
 
 from __future__ import annotations
@@ -95,7 +94,7 @@ class Helpdesk(SQLiteApp):
     weights: ClassVar[dict[str, float]] = {"action": 0.4, "reply": 0.2, "customer": 0.15, "order": 0.15,
                                            "format": 0.1}
     max_tokens = 1024
-    customers = 40
+    customers = 64  # at most len(FIRST) * len(LAST)
     system_prompt: ClassVar[str] = (
         f"You are the support agent of an online shop. Today is {TODAY}. Look the customer up by email or "
         "name (find_customer), find the order they mean (list_orders, get_order) and follow the policy:\n"
@@ -120,8 +119,8 @@ class Helpdesk(SQLiteApp):
                 items = [(pid, rng.choice([1, 1, 1, 2])) for pid in bought[2 * k: 2 * k + 1 + (rng.random() < 0.3)]]
                 window = min(WINDOW_DAYS[products[pid - 1][1]] for pid, _ in items)
                 story = rng.choices(list(STORIES), list(STORIES.values()))[0]
-                age = {"processing": (0, 1), "shipped": (2, 5), "late": (window + 3, window + 60)}.get(story,
-                                                                                                   (6, window - 1))
+                age = {"processing": (0, 1), "shipped": (2, 5), "recent": (6, window - 1), "refunded": (6, window - 1),
+                       "late": (window + 3, window + 60)}[story]  # days before TODAY; recent ones inside the window
                 status = "delivered" if story in ("recent", "late") else story
                 total = round(sum(products[pid - 1][2] * quantity for pid, quantity in items), 2)
                 placed_on = (TODAY - datetime.timedelta(days=rng.randint(*age))).isoformat()
@@ -130,8 +129,8 @@ class Helpdesk(SQLiteApp):
                 db.executemany("INSERT INTO order_items (order_id, product_id, quantity) VALUES (?, ?, ?)",
                                [(oid, pid, quantity) for pid, quantity in items])
                 if status == "refunded":
-                    db.execute("INSERT INTO tickets (customer_id, order_id, kind, amount) VALUES (?, ?, ?, ?)",
-                               tuple(ticket(cid, oid, "refund", total).values()))
+                    db.execute("INSERT INTO tickets (customer_id, order_id, kind, amount) VALUES (?, ?, 'refund', ?)",
+                               (cid, oid, total))
 
     # --- tools ----------------------------------------------------------------------
 
@@ -280,25 +279,16 @@ class Helpdesk(SQLiteApp):
         else:
             facts = [REFUSAL, REASONS[kind]]
         who = customer["email"] if rng.random() < 0.5 else customer["name"]
-        about = {"product": order["items"][0]["name"], "order": order["id"], "placed_on": order["placed_on"]} \
-            if order else {}
+        about = ({"product": order["items"][0]["name"], "order": order["id"], "placed_on": order["placed_on"]}
+                 if order else {})
         ask = rng.choice(ASKS.get(kind, ASKS["refund"])).format(address=new_address, **about)
         return {"id": f"helpdesk-{kind}-{cid}-{order['id'] if order else 'address'}",
                 "prompt": f"Hi, I'm {who}. {ask}", "kind": kind,
                 "expected": {"customer_id": cid, "order_id": order["id"] if order else None, "changes": changes,
                              "facts": facts, "contradicting": contradicting}}
 
-    def changes(self, state: State) -> dict[str, Any]:
-        """The rollout's changes in the form of a task's ``expected.changes``: per table, the changed
-        columns of ``updated`` rows by key, the ``added`` rows without their key, the ``removed`` keys."""
-        out = {}
-        for table, diff in self.changed_rows(state).items():
-            parts = {"updated": {str(next(iter(b.values()))): {k: v for k, v in a.items() if b[k] != v}
-                                 for b, a in diff["changed"]},
-                     "added": [dict(list(row.items())[1:]) for row in diff["added"]],
-                     "removed": [next(iter(row.values())) for row in diff["removed"]]}
-            out[table] = {k: v for k, v in parts.items() if v}
-        return out
+    def solved(self, scores: dict[str, float]) -> bool:
+        return scores["action"] == 1.0 and scores["reply"] == 1.0  # the right change, and said so
 
     def score(self, state: State) -> dict[str, float]:
         expected = state.task["expected"]
@@ -313,4 +303,4 @@ class Helpdesk(SQLiteApp):
                 "reply": 0.0 if any(word in answer for word in expected["contradicting"]) else said,
                 "customer": customer,
                 "order": (expected["order_id"] in opened) / max(1, len(opened)) if expected["order_id"] else customer,
-                "format": 1.0 - bad / calls if calls else 1.0}
+                "format": 1.0 - bad / calls if calls else 0.0}  # no call: no credit for chat

@@ -1,8 +1,8 @@
 """Agentic search over a fixed corpus: the Python standard library's own documentation,
 indexed with SQLite FTS5 and ranked by BM25.
 
-Corpus. Every public function and class (``__all__``) of a fixed list of pure stdlib
-modules is one document: ``doc_id`` is its qualified name (``shutil.copytree``), the text is
+Corpus. Every public function and class (``__all__``) of a fixed list of platform-independent
+stdlib modules is one document: ``doc_id`` is its qualified name (``shutil.copytree``), the text is
 its signature (``inspect.signature``) and its docstring. It is built in-process from the
 running interpreter, so it needs no network and is the same on every machine with the same
 Python version (memory addresses in default values are removed). No third-party package
@@ -10,16 +10,19 @@ contributes.
 
 Questions, generated from the corpus with known answers and source documents:
 
-===================  ====================================================  =================
-kind                 question                                              answer
-===================  ====================================================  =================
-``default``          the default of parameter ``p`` of ``module.name``     the default's repr
-``name``             which function or class does <docstring summary>      ``module.name``
-``described_default``  the default of ``p`` of the one that <summary>      the default's repr
-===================  ====================================================  =================
+=====================  ==================================================  ===================
+kind                   question                                            answer
+=====================  ==================================================  ===================
+``default``            the default of parameter ``p`` of ``module.name``   the default's source
+``name``               which function or class <docstring summary>?        ``module.name``
+``described_default``  the default of ``p`` of the one that <summary>      the default's source
+=====================  ==================================================  ===================
 
-Search results show titles and docstring snippets, never signatures, so a default is only
-found by reading the document. Train and heldout questions come from disjoint documents.
+Defaults of ``None`` (the most common default: a free guess) and long or backslashed ones
+are left out; a summary must be unique in the corpus and not contain the object's own name.
+Search results show titles and docstring snippets, never signatures, so a signature (and
+the default in it) is only seen by reading the document. Train and heldout questions come
+from disjoint documents (one document in four is heldout).
 
 Score components, each in [0, 1]: ``exact`` (normalised exact match), ``answer_f1`` (token
 F1), ``read_source`` (the source document was read), ``searched`` (at least one search ran)
@@ -229,6 +232,7 @@ class Search(SQLiteApp):
     schema: ClassVar[str] = SCHEMA
     weights: ClassVar[dict[str, float]] = {"exact": 1.0, "answer_f1": 1.0, "read_source": 0.5, "searched": 0.25,
                                            "format": 0.25}
+    success: ClassVar[str] = "exact"
     modules: tuple[str, ...] = MODULES
 
     @functools.cached_property

@@ -62,9 +62,13 @@ class SQLiteApp(Env):
         """The seeded database every rollout copies (built on first use)."""
         if getattr(self, "_template", None) is None:
             db = connect()
-            db.executescript(self.schema)
-            self.seed_data(db, random.Random(self.db_seed))
-            db.commit()
+            try:
+                db.executescript(self.schema)
+                self.seed_data(db, random.Random(self.db_seed))
+                db.commit()
+            except BaseException:
+                db.close()
+                raise
             self._template = db
         return self._template
 
@@ -119,4 +123,17 @@ class SQLiteApp(Env):
                     "changed": [(before[k], after[k]) for k in before.keys() & after.keys() if before[k] != after[k]]}
             if any(diff.values()):
                 out[table] = diff
+        return out
+
+    def changes(self, state: State) -> dict[str, Any]:
+        """``changed_rows`` as plain JSON to compare with a task's expected change: per table, the
+        changed columns of ``updated`` rows by key (as a string), the ``added`` rows without their
+        key, the ``removed`` keys; tables without changes are left out."""
+        out = {}
+        for table, diff in self.changed_rows(state).items():
+            parts = {"updated": {str(next(iter(b.values()))): {k: v for k, v in a.items() if b[k] != v}
+                                 for b, a in diff["changed"]},
+                     "added": [dict(list(row.items())[1:]) for row in diff["added"]],
+                     "removed": [next(iter(row.values())) for row in diff["removed"]]}
+            out[table] = {k: v for k, v in parts.items() if v}
         return out
