@@ -82,8 +82,9 @@ def try_env(
     state = trajectory.metadata["state"]
     scores = trajectory.metadata["env_scores"]
     total = sum(env.weights.get(k, 0.0) * v for k, v in scores.items())
-    table = Table("score", "value", "weight", title=f"{name} · task {task.get('id')} · ended by {state['finish']} "
-                  f"after {state['turns']} turns · {sum(trajectory.completion_mask)} model tokens")
+    out.print(f"[bold]{name}[/] · task {escape(str(task.get('id')))} · ended by {state['finish']} after "
+              f"{state['turns']} turns · {sum(trajectory.completion_mask)} model tokens", highlight=False)
+    table = Table("score", "value", "weight")
     for key, value in scores.items():
         table.add_row(key, f"{value:.3f}", f"{env.weights.get(key, 0.0):g}")
     table.add_row("[bold]total[/]", f"[bold]{total:.3f}[/]", "")

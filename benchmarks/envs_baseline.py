@@ -1,0 +1,129 @@
+"""Baselines of the agent environments: how well a model does before any RL.
+
+For each env, N held-out tasks, one rollout each, with the bundled model (greedy unless
+``--temperature``), through the same rollout code training uses; with ``--base-url`` also
+with a model behind any OpenAI-compatible endpoint (its tool calls go through the env as
+the Hermes text the env parses, so both sides meet the same tools and the same checks).
+
+    python benchmarks/envs_baseline.py [--envs helpdesk,search] [--n 40]
+    python benchmarks/envs_baseline.py --base-url http://127.0.0.1:8000/v1 --endpoint-model NAME
+
+Reports per env and model: success rate (the env's ``success`` score is 1), the weighted
+total, each score's mean, tool calls, tool errors, turns and generated tokens per rollout,
+seconds per rollout. For search it also prints the BM25 baseline: the answer read off
+BM25's top hit for the raw question. The last line is machine-readable:
+``envs_baseline helpdesk_success=X search_success=Y`` (the bundled model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import torch
+
+from grooves.envs import load_env
+from grooves.envs.rollout import env_groups, sampler_generate
+from grooves.policy.tools import tool_call_text
+
+BASE = "bundled:smollm2-135m-instruct"
+
+
+def summarise(env, trajectories, seconds: float) -> dict:
+    scores = [t.metadata["env_scores"] for t in trajectories]
+    states = [t.metadata["state"] for t in trajectories]
+    row = {"n": len(trajectories), "s_per_rollout": seconds / len(trajectories)}
+    row["success"] = statistics.fmean(env.solved(s) for s in scores)
+    row["total"] = statistics.fmean(sum(env.weights.get(k, 0) * v for k, v in s.items()) for s in scores)
+    for key in scores[0]:
+        row[key] = statistics.fmean(s[key] for s in scores)
+    row["tool_calls"] = statistics.fmean(s["counters"].get("tool_calls", 0) for s in states)
+    row["tool_errors"] = statistics.fmean(sum(v for k, v in s["counters"].items() if k.startswith("tool_errors"))
+                                          for s in states)
+    row["turns"] = statistics.fmean(s["turns"] for s in states)
+    row["tokens"] = statistics.fmean(t.metadata["state"]["data"].get("endpoint_tokens", sum(t.completion_mask))
+                                     for t in trajectories)
+    return row
+
+
+def bundled(env, tasks, temperature: float, turn_tokens: int) -> dict:
+    from grooves.policy.policy import Policy
+
+    policy = Policy.load(BASE)
+    generator = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    groups = env_groups(policy, env, tasks, 1, sampler_generate(policy, temperature, 1.0, generator), turn_tokens)
+    return summarise(env, [g.trajectories[0] for g in groups], time.perf_counter() - start)
+
+
+def endpoint(env, tasks, base_url: str, model: str, api_key: str, temperature: float, turn_tokens: int) -> dict:
+    """Rollouts driven by an OpenAI-compatible chat endpoint with native tool calling."""
+    import openai
+
+    from grooves.envs.rollout import trajectory
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key)
+    tools = env.tool_schemas()
+    start = time.perf_counter()
+    trajectories = []
+    for task in tasks:
+        state = env.reset(task)
+        tokens = 0
+        while not env.is_done(state):
+            messages = [{k: v for k, v in m.items() if k != "raw"} for m in state.messages]
+            reply = client.chat.completions.create(model=model, messages=messages, tools=tools or None,
+                                                   temperature=temperature, max_tokens=turn_tokens)
+            message = reply.choices[0].message
+            tokens += reply.usage.completion_tokens if reply.usage else 0
+            calls = "".join(tool_call_text(c.model_dump()) for c in message.tool_calls or [])
+            asyncio.run(env.respond(state, ((message.content or "") + calls).strip()))
+            if not env.is_done(state) and state.turns >= env.max_turns:
+                env.finish(state, None, "max_turns")
+        state.data["endpoint_tokens"] = tokens
+        trajectories.append(trajectory(env, state))
+        env.close(state)
+    return summarise(env, trajectories, time.perf_counter() - start)
+
+
+def print_table(rows: list[tuple[str, str, dict]]) -> None:
+    keys = ["success", "total", "tool_calls", "tool_errors", "turns", "tokens", "s_per_rollout"]
+    print(f"{'env':<10} {'model':<24} " + " ".join(f"{k:>13}" for k in keys))
+    for env_name, model, row in rows:
+        print(f"{env_name:<10} {model:<24} " + " ".join(f"{row[k]:>13.3f}" for k in keys))
+    for env_name, model, row in rows:
+        scores = {k: round(v, 3) for k, v in row.items() if k not in keys and k != "n"}
+        print(f"{env_name} / {model}: n={row['n']} scores {json.dumps(scores)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--envs", default="helpdesk,search")
+    parser.add_argument("--n", type=int, default=40, help="Held-out tasks per env (one rollout each).")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--turn-tokens", type=int, default=128, help="New tokens per model turn.")
+    parser.add_argument("--base-url", help="Also run a model behind this OpenAI-compatible endpoint.")
+    parser.add_argument("--endpoint-model", default="default")
+    parser.add_argument("--api-key", default="none")
+    args = parser.parse_args()
+    rows = []
+    for name in args.envs.split(","):
+        env = load_env(name)
+        tasks = env.tasks("heldout", args.n, seed=0)
+        rows.append((name, "smollm2-135m (bundled)", bundled(env, tasks, args.temperature, args.turn_tokens)))
+        if args.base_url:
+            rows.append((name, args.endpoint_model, endpoint(env, tasks, args.base_url, args.endpoint_model,
+                                                             args.api_key, args.temperature, args.turn_tokens)))
+        if name == "search":
+            from grooves.envs.search import bm25_baseline
+
+            print(f"search BM25 top-hit baseline on the same {len(tasks)} tasks: {json.dumps(bm25_baseline(env, tasks))}")
+    print_table(rows)
+    own = {name: row["success"] for name, model, row in rows if model.endswith("(bundled)")}
+    print("envs_baseline " + " ".join(f"{name}_success={value:.3f}" for name, value in own.items()))
+
+
+if __name__ == "__main__":
+    main()
