@@ -314,3 +314,25 @@ def test_a_package_registers_an_env_through_an_entry_point(tmp_path, monkeypatch
     monkeypatch.syspath_prepend(str(tmp_path))
     assert available()["shop"] == "acme_envs:Shop"
     assert load_env("shop").description == "a shop"
+
+
+@pytest.mark.parametrize("name", ["helpdesk", "search"])
+def test_the_example_configs_train(name, tmp_path):
+    """examples/envs/NAME.toml as shipped, on the tiny model for one step with a smaller budget."""
+    from pathlib import Path
+
+    from grooves.training import load_config, run_config
+    from grooves.training.store import read_metrics
+
+    config = load_config(Path(__file__).parents[1] / "examples" / "envs" / f"{name}.toml")
+    config.model.spec, config.steps = "tiny", 1
+    config.env.train_tasks, config.env.heldout_tasks, config.log.val_size = 4, 2, 2
+    config.env.options = {**config.env.options, "max_tokens": 48}
+    config.sampling.max_completion_length, config.train.group_size = 24, 2
+    config.log.tensorboard = False
+    run = run_config(config, out=tmp_path / name, progress=False)
+    rows = read_metrics(run.dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert set(config.env.options) <= set(load_env(name).option_names())
+    weights = load_env(name).weights
+    assert all(f"reward/{score}" in rows[1] for score in weights) and "env/turns" in rows[1]
