@@ -194,11 +194,16 @@ def test_nan_in_a_later_pass_undoes_the_earlier_passes(tiny_policy):
 
 
 def test_kl_to_the_base_model_is_logged_without_a_penalty(tiny_policy):
-    trainer = Trainer(tiny_policy, algorithms.grpo(), OptimConfig(learning_rate=5e-2), max_completion_length=8)
+    trainer = Trainer(tiny_policy, algorithms.grpo(), OptimConfig(learning_rate=5e-2), max_completion_length=8,
+                      kl_every=1)
     first = trainer.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]]))
     second = trainer.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]], seed=1))
     assert first["kl"] == pytest.approx(0.0, abs=1e-7)  # a fresh LoRA is the base model
     assert second["kl"] > 0
+    default = Trainer(tiny_policy, algorithms.grpo(), OptimConfig(), max_completion_length=8)  # every 10 steps
+    logged = ["kl" in default.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]], seed=k))
+              for k in range(11)]
+    assert logged == [True] + [False] * 9 + [True]
     quiet = Trainer(tiny_policy, algorithms.grpo(), OptimConfig(), max_completion_length=8, kl_every=0)
     assert "kl" not in quiet.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]]))
 

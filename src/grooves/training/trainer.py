@@ -46,7 +46,7 @@ class Trainer:
 
     def __init__(self, policy: Policy, algorithm: Algorithm, optim: OptimConfig | None = None, *,
                  temperature: float = 1.0, max_completion_length: int = 64, total_steps: int = 1,
-                 use_sampler_logprobs: bool = False, share_prompt: bool = True, kl_every: int = 1,
+                 use_sampler_logprobs: bool = False, share_prompt: bool = True, kl_every: int = 10,
                  max_staleness: int | None = None):
         if not policy.has_adapter:
             raise ValueError("training needs a LoRA adapter: Policy.load(spec, lora=LoRA(rank=8))")
