@@ -87,3 +87,37 @@ def test_mixed_adapters_in_one_batch_match_separate_runs():
         assert out.token_ids == expected.token_ids
         assert out.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
     assert mixed[0].token_ids != mixed[2].token_ids  # the adapters matter
+
+
+def test_packed_linears_decode_like_the_plain_path(monkeypatch):
+    """The oneDNN fast path: same tokens, logprobs within float rounding, with a non-zero LoRA
+    on top; a changed base weight (a merge) is packed again, and nothing stays swapped in."""
+    from grooves.policy import decoding
+
+    policy = Policy.load("tiny", lora=LoRA(rank=4, alpha=8), seed=2)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    prompt = policy.chat_ids([{"role": "user", "content": "hello there"}])
+
+    def run():
+        rows = [Row(prompt, 1.0, 1.0, 12, (), torch.Generator().manual_seed(i), ignore_eos=True) for i in range(3)]
+        return decode(policy, rows)
+
+    packed = run()
+    assert len(policy._packed_linears) > 0
+    assert not any(type(m).__name__ == "MkldnnLinear" for m in policy.causal_lm.modules())
+    monkeypatch.setattr(decoding, "PACK_LINEARS", False)
+    plain = run()
+    for a, b in zip(packed, plain):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    monkeypatch.setattr(decoding, "PACK_LINEARS", True)
+    policy.model.merge_adapter()  # base weights change in place: the packed copies must follow
+    try:
+        merged = run()
+    finally:
+        policy.model.unmerge_adapter()
+    for a, b in zip(merged, plain):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
