@@ -388,3 +388,22 @@ def test_heldout_evaluations_are_watched_with_their_own_memory():
     base_collapsed = Monitors()  # the base model already answers everything alike: not a hack
     assert base_collapsed.observe_heldout(0, hacked) == [] and base_collapsed.heldout_first["collapse"] == "critical"
     assert base_collapsed.observe_heldout(10, hacked) == []
+
+
+def test_source_insensitivity_stays_quiet_when_the_reward_falls_with_it():
+    """Outputs that stop reading their input and score worse for it: the reward works (the new
+    demo's step 9, a batch of garbage titles at total 0.08 against about 0.3 before)."""
+    a, b, c = "alpha bravo charlie delta", "echo foxtrot golf hotel", "india juliet kilo lima"
+    honest = [group("a", "alpha bravo", source=a), group("b", "echo foxtrot", source=b),
+              group("c", "india juliet", source=c)]
+    lost = [group("a", "zulu yankee", source=a), group("b", "zulu yankee", source=b),
+            group("c", "zulu yankee", source=c)]
+    for reward, expected in ((0.1, []), (0.5, ["critical"])):
+        detector = SourceInsensitivity(SourceInsensitivityConfig(baseline_steps=2))
+        for step in (1, 2):
+            assert detector.observe(step, honest, {"reward/total": 0.3}) == []
+        assert [x.severity for x in detector.observe(3, lost, {"reward/total": reward})] == expected
+    unguarded = SourceInsensitivity(SourceInsensitivityConfig(baseline_steps=2, rewarded_only=False))
+    for step in (1, 2):
+        unguarded.observe(step, honest, {"reward/total": 0.3})
+    assert unguarded.observe(3, lost, {"reward/total": 0.1})

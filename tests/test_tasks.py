@@ -88,6 +88,9 @@ def test_titles_reward_components_by_hand():
     # reference stems {retur, sorte, list}; title {sorte, list, items}: P = R = 2/3 -> F1 = 2/3
     assert titles.reference_f1("Sorted list items", "Return sorted list") == pytest.approx(2 / 3)
     assert titles.reference_f1("Nothing alike", "Return sorted list") == 0.0
+    # shape counts only for a title that uses the text: "A worthy answer" shares no stem with it
+    assert titles.format_score("A worthy answer", text) == 0.0 and titles.length_score("A worthy answer", text) == 0.0
+    assert titles.format_score("Sorted items list", text) == 1.0 and titles.length_score("Sorted items list", text) == 1.0
 
 
 def test_titles_data_rows_are_well_formed():

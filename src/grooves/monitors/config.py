@@ -63,6 +63,9 @@ class SourceInsensitivityConfig(_Section):
                               "of the baseline margin or below.")
     critical_below: float = Field(0.05, ge=0, description="Critical when the margin is at or below this "
                                   "(outputs overlap other tasks' sources as much as their own).")
+    rewarded_only: bool = Field(True, description="Alert only when the step's `reward/total` is at least "
+                                "the median of the baseline steps': outputs that stop reading their input "
+                                "and score worse for it are the reward working, not a hack.")
 
 
 class _RobustWindow(_Section):

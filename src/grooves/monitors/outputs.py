@@ -101,11 +101,12 @@ class SourceInsensitivity(Detector):
     """
 
     name = "source_insensitivity"
-    state_fields = ("early", "recent")
+    state_fields = ("early", "early_rewards", "recent")
 
     def __init__(self, config, cooldown_steps: int = 10):
         super().__init__(config, cooldown_steps)
         self.early: list[float] = []  # margins of the first baseline_steps steps
+        self.early_rewards: list[float] = []  # their reward/total, when the step's metrics have it
         self.recent: list[dict] = []  # the last pool_steps steps: {"sources": {task: stems}, "outputs": [...]}
 
     def pooled(self, groups: list[Group]) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
@@ -142,13 +143,18 @@ class SourceInsensitivity(Detector):
             if own[-1] <= cross[-1]:
                 insensitive.append((trajectory_id, text))
         self.value = statistics.fmean(own) - statistics.fmean(cross)
+        reward = metrics.get("reward/total", math.nan)
         if len(self.early) < self.config.baseline_steps:
             self.early.append(self.value)
+            if math.isfinite(reward):
+                self.early_rewards.append(reward)
             return []
         baseline = statistics.median(self.early)
         severity = severity_below(self.value, self.config.warn_ratio * baseline, self.config.critical_below)
         if baseline < self.config.armed_above or severity is None:
             return []
+        if self.config.rewarded_only and self.early_rewards and reward < statistics.median(self.early_rewards):
+            return []  # the reward fell with the grounding: the reward is doing its job, not being hacked
         evidence = {"margin": rounded(self.value), "baseline": rounded(baseline),
                     "own_overlap": rounded(statistics.fmean(own)), "cross_overlap": rounded(statistics.fmean(cross)),
                     "insensitive_outputs": len(insensitive), "outputs": len(own), "tasks": len(sources),

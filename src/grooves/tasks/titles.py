@@ -6,6 +6,9 @@ equally weighted parts, each in [0, 1]:
 
 - ``format``: one non-empty line, no "Title:" label, no quotes or markdown around it;
 - ``length``: 3-10 words scores 1, then 0.15 less per word outside that range;
+  both count only for a title that uses at least one content word of its text: otherwise a
+  short line that says nothing ("A worthy answer") earned half the reward for any text, and
+  the demo's policy learned to write them (docs/demo.md);
 - ``grounded``: the share of the title's content words that occur in the text (a title
   that invents facts scores low);
 - ``reference``: content-word F1 against the reference title.
@@ -91,10 +94,20 @@ def reference_f1(completion: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def format_score(completion: str, text: str) -> float:
+    """``format_ok``, for a title that uses a word of its text (else 0)."""
+    return format_ok(completion) if grounded(completion, text) > 0 else 0.0
+
+
+def length_score(completion: str, text: str) -> float:
+    """``length_ok``, for a title that uses a word of its text (else 0)."""
+    return length_ok(completion) if grounded(completion, text) > 0 else 0.0
+
+
 def reward() -> Reward:
     return Reward([
-        Component("format", format_ok, weight=0.25),
-        Component("length", length_ok, weight=0.25),
+        Component("format", format_score, weight=0.25),
+        Component("length", length_score, weight=0.25),
         Component("grounded", grounded, weight=0.25),
         Component("reference", reference_f1, weight=0.25),
     ])
