@@ -42,9 +42,10 @@ def prompts(count: int) -> list[dict]:
 
 
 def title_reward(completion: str, task: dict) -> float:
-    from grooves.tasks.titles import format_ok, grounded, length_ok, reference_f1
+    from grooves.tasks.titles import format_score, grounded, length_score, reference_f1
 
-    return 0.25 * (format_ok(completion) + length_ok(completion) + grounded(completion, task["text"])
+    text = task["text"]
+    return 0.25 * (format_score(completion, text) + length_score(completion, text) + grounded(completion, text)
                    + reference_f1(completion, task["reference"]))
 
 
