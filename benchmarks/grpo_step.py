@@ -151,7 +151,7 @@ def machine_rates() -> dict:
     return {"gflops": flops / 1e9, "gbps": bandwidth / 1e9}
 
 
-def floor_seconds(rates: dict, prompt_tokens: float, completion_tokens: float) -> dict:
+def floor_seconds(rates: dict, n: int, prompt_tokens: float, completion_tokens: float) -> dict:
     """The least time a step needs on this machine (see docs/benchmarks.md for the model).
 
     Sampling: the prompt prefilled once (2 N P flops), then each decode position reads every
@@ -159,10 +159,6 @@ def floor_seconds(rates: dict, prompt_tokens: float, completion_tokens: float) -
     for the longest sample) and does 2 N flops per token. Training: forward + backward through
     the frozen weights for the input gradients, about 4 N flops per trained token, the shared
     prompt once. N counts the matmul weights, the tied output head included."""
-    from grooves.policy.models import load_model
-
-    model, _ = load_model(BASE)
-    n = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2)  # embeddings = the head
     decode_tokens = GROUP * completion_tokens
     sample_flops = 2 * n * (prompt_tokens + decode_tokens)
     sample_bytes = 4 * n * completion_tokens * 1.0
@@ -213,7 +209,7 @@ def main() -> None:
                   f"peak RSS {result['rss_mb']:.0f} MB", flush=True)
         pair_ratios.append(medians["trl"] / medians["grooves"])
     rates = machine_rates()
-    prompt_tokens = statistics.fmean(len_prompt() for _ in [0])
+    n, prompt_tokens = model_sizes()
     summary = {}
     for side, runs in results.items():
         steps = [s for run in runs for s in run["steps"]]
@@ -223,7 +219,7 @@ def main() -> None:
                          "tok_s": statistics.fmean(t / s for t, s in zip(tokens, seconds)),
                          "tokens": statistics.fmean(tokens), "rss_mb": max(run["rss_mb"] for run in runs)}
     completion = statistics.fmean(summary[s]["tokens"] for s in summary) / GROUP
-    floor = floor_seconds(rates, prompt_tokens, completion)
+    floor = floor_seconds(rates, n, prompt_tokens, completion)
     print(f"\nmachine: fp32 matmul {rates['gflops']:.0f} GFLOP/s, memory {rates['gbps']:.1f} GB/s; "
           f"{floor['params'] / 1e6:.0f} M matmul weights; prompt {prompt_tokens:.0f} tokens, "
           f"completions {completion:.1f} tokens on average")
@@ -239,14 +235,16 @@ def main() -> None:
           f"ratio={ratio:.2f} grooves_rss_mb={summary['grooves']['rss_mb']:.0f} trl_rss_mb={summary['trl']['rss_mb']:.0f}")
 
 
-def len_prompt() -> float:
-    """Mean prompt length in tokens of the benchmark's prompts, in the chat template."""
+def model_sizes() -> tuple[int, float]:
+    """The model's matmul weights (the tied embeddings are the head) and the mean prompt
+    length in tokens of the benchmark's prompts, in the chat template."""
     from grooves.policy.models import load_model
 
-    _, tokenizer = load_model(BASE)
+    model, tokenizer = load_model(BASE)
+    n = sum(p.numel() for p in model.parameters() if p.dim() == 2)
     lengths = [len(tokenizer.apply_chat_template(t["prompt"], add_generation_prompt=True, tokenize=True,
                                                  return_dict=False)) for t in prompts(8)]
-    return statistics.fmean(lengths)
+    return n, statistics.fmean(lengths)
 
 
 if __name__ == "__main__":

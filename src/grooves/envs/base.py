@@ -217,6 +217,10 @@ class Env:
                 tools.append(make_tool(getattr(self, attr), fn.__grooves_tool__))
         return tools
 
+    @functools.cached_property
+    def tools_by_name(self) -> dict[str, Tool]:
+        return {t.name: t for t in self.tool_list}
+
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tool_list]
 
@@ -311,7 +315,7 @@ class Env:
     # --- tools ------------------------------------------------------------------------
 
     async def _run(self, state: State, call: ToolCall) -> Message:
-        tools = {t.name: t for t in self.tool_list}
+        tools = self.tools_by_name
         state.counters["tool_calls"] += 1
         state.counters[f"tool_calls/{call.name}" if call.name in tools else "tool_calls/unknown"] += 1
         found = tools.get(call.name)

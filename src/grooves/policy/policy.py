@@ -20,6 +20,9 @@ from grooves.policy.tools import fallback_messages, template_supports_tools
 from grooves.types import Message
 
 
+_ANCHOR = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
+
+
 class Policy:
     """A model to sample from and (when it has an adapter) to train."""
 
@@ -110,16 +113,20 @@ class Policy:
         the template's text for a fixed two-turn chat plus ``messages``, minus the text of
         the fixed chat up to its end-of-turn token.
         """
-        anchor = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        before = self.chat_text(anchor, add_generation_prompt=False)
-        after = self.chat_text(anchor + list(messages), add_generation_prompt=True)
-        end = self.tokenizer.decode([self.end_of_turn_id])
-        cut = before.rfind(end)
-        before = before[: cut + len(end)] if cut >= 0 else before
+        after = self.chat_text(list(_ANCHOR) + list(messages), add_generation_prompt=True)
+        before = self._anchor_text
         if not after.startswith(before):
             raise ValueError("the chat template renders earlier turns differently once more turns follow; "
                              "multi-turn token bookkeeping needs a template that only appends")
         return list(self.tokenizer.encode(after[len(before):], add_special_tokens=False))
+
+    @functools.cached_property
+    def _anchor_text(self) -> str:
+        """The template's text of the fixed chat ``_ANCHOR`` up to its end-of-turn token."""
+        before = self.chat_text(list(_ANCHOR), add_generation_prompt=False)
+        end = self.tokenizer.decode([self.end_of_turn_id])
+        cut = before.rfind(end)
+        return before[: cut + len(end)] if cut >= 0 else before
 
     @functools.cached_property
     def native_tools(self) -> bool:
