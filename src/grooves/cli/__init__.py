@@ -28,9 +28,9 @@ app = typer.Typer(
 @app.command()
 def train(
     config: Annotated[Path, typer.Argument(help="Run configuration (TOML); see docs/config.md.")],
-    steps: Annotated[int | None, typer.Option(help="Override the number of training steps.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's last complete "
-                                         "checkpoint.")] = False,
+    steps: Annotated[int | None, typer.Option(min=1, help="Override the number of training steps.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's newest complete "
+                                         "checkpoint (an error when there is no run to continue).")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Run folder (default: RUNS/<name>).")] = None,
     runs: RunsOption = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
@@ -40,7 +40,10 @@ def train(
 ) -> None:
     """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder.
 
-    Exit code 3 when a reward-hacking alert paused or stopped the run (the alerts section of the config).
+    Exit codes: 0 the run finished its steps; 1 the run failed (train.max_failed_steps steps in a row
+    trained nothing); 2 bad input (config, files, a run another process is training); 3 a
+    reward-hacking alert paused or stopped the run (the [alerts] section); 130 Ctrl-C (after saving a
+    checkpoint).
     """
     from grooves.training.config import ConfigError, load_config
 
@@ -52,8 +55,6 @@ def train(
             cfg.steps = steps
     except ConfigError as error:
         raise _fail(f"invalid config {config}:\n{error}") from None
-    except ValueError as error:  # a bad --steps value fails validation on assignment
-        raise _fail(f"--steps: {error}") from None
     from grooves.training.api import run_config
 
     from grooves.monitors import DETECTORS
@@ -65,12 +66,34 @@ def train(
         raise _fail(f"--ack {', '.join(unknown)}: not a detector; allowed: {', '.join(d.name for d in DETECTORS)}")
     try:
         run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet, acknowledge=tuple(ack or ()),
-                         resume_command=f"grooves train {config} --resume")
+                         resume_command=_resume_command("train", config, out_dir=out_dir, runs=runs))
     except _user_errors() as error:
         raise _fail(str(error)) from None
-    last = run.metrics[-1] if run.metrics else {}
-    out.print(f"[bold]{run.name}[/]: step {run.step}, reward {last.get('reward/total', float('nan')):.3f}; "
-              f"checkpoint {run.name}@latest in {run.dir}")
+    except KeyboardInterrupt:  # before the loop took over Ctrl-C, or a second Ctrl-C: nothing more saved
+        err.print("aborted; the newest checkpoint is intact")
+        raise typer.Exit(130) from None
+    last = next((row for row in reversed(run.metrics) if row.get("reward/total") is not None), {})
+    out.print(f"[bold]{run.name}[/]: step {run.step}, reward {num(last.get('reward/total'))}; "
+              f"checkpoint {run.name}@latest in {run.dir}", highlight=False)
+    _exit_for(run)
+
+
+def _resume_command(command: str, config: Path, *, out_dir: Path | None = None, runs: Path | None = None) -> str:
+    """The command that continues this run, with the folders given: what a paused or interrupted run prints."""
+    import shlex
+
+    words = ["grooves", command, str(config), "--resume"]
+    words += ["--out", str(out_dir)] if out_dir else []
+    words += ["--runs", str(runs)] if runs else []
+    return shlex.join(words)
+
+
+def _exit_for(run) -> None:
+    """Exit codes a script can tell apart: 1 failed, 3 halted by an alert, 130 interrupted."""
+    if run.halted_by == "failed":
+        raise _fail(f"run {run.name} failed: {run.halt_reason}", code=1)
+    if run.halted_by == "interrupt":
+        raise typer.Exit(130)
     if run.halted_by:
         raise typer.Exit(3)
 
@@ -106,14 +129,19 @@ def probe(
         raise _fail(f"invalid config {config}:\n{error}") from None
     try:
         run = run_config(cfg, runs=runs, resume=resume, acknowledge=tuple(ack or ()), stop_rule=heldout_rose(),
-                         resume_command=f"grooves probe {config} --resume")
+                         resume_command=_resume_command("probe", config, runs=runs))
     except _user_errors() as error:
         raise _fail(str(error)) from None
+    except KeyboardInterrupt:
+        err.print("aborted; the newest checkpoint is intact")
+        raise typer.Exit(130) from None
     why = run.halt_reason or f"the budget of {cfg.steps} steps is spent"
     out.print(f"[bold]{run.name}[/]: probed {run.step} steps; stopped because {why}", highlight=False)
     review(run.name, step=[run.step], k=k, runs=runs_root(runs))
     out.print(f"Next: label what you see (grooves review {run.name} --label), add a guard for a hack "
               f"(grooves guard suggest {run.name}), or train long (grooves train {config}).", highlight=False)
+    if run.halted_by in ("failed", "interrupt"):
+        _exit_for(run)
     if run.halted_by == "pause":
         raise typer.Exit(3)
 
@@ -148,10 +176,15 @@ def sample(
 
 @app.command("runs")
 def list_runs(runs: RunsOption = None) -> None:
-    """List runs with their last step, newest checkpoint and rewards."""
+    """List runs with their last step, newest checkpoint and rewards.
+
+    "val reward" is the newest held-out evaluation, with the step it was measured at. A
+    checkpoint that fails verification (a damaged or truncated file) is marked corrupt, with
+    the newest complete one beside it.
+    """
     from rich.table import Table
 
-    from grooves.policy.checkpoints import list_checkpoints, runs_root
+    from grooves.policy.checkpoints import runs_root
     from grooves.training.store import read_metrics
 
     root = runs_root(runs)
@@ -160,16 +193,29 @@ def list_runs(runs: RunsOption = None) -> None:
     if not folders:
         out.print(f"no runs under {root}")
         return
-    table = Table("run", "last step", "checkpoint", "reward", "val reward", title=f"runs in {root}")
+    table = Table("run", "last step", "checkpoint", "reward", "val reward (at step)", title=f"runs in {root}")
     for folder in folders:
         rows = read_metrics(folder / "metrics.jsonl")
         last_train = next((r for r in reversed(rows) if r.get("reward/total") is not None), {})
-        last_val = next((r for r in reversed(rows) if r.get("val/reward/total") is not None), {})
-        checkpoints = list_checkpoints(folder)
-        table.add_row(folder.name, str(rows[-1]["step"] if rows else "-"),
-                      f"{folder.name}@{checkpoints[-1][0]}" if checkpoints else "-",
-                      num(last_train.get("reward/total")), num(last_val.get("val/reward/total")))
+        last_val = next((r for r in reversed(rows) if r.get("val/reward/total") is not None), None)
+        val = f"{num(last_val['val/reward/total'])} (step {last_val['step']})" if last_val else "-"
+        table.add_row(folder.name, str(rows[-1]["step"] if rows else "-"), _checkpoint_cell(folder),
+                      num(last_train.get("reward/total")), val)
     out.print(table)
+
+
+def _checkpoint_cell(folder: Path) -> str:
+    """The newest checkpoint, or which newer ones are corrupt and the newest complete one."""
+    from grooves.policy.checkpoints import list_checkpoints, newest_complete
+
+    if not list_checkpoints(folder):
+        return "-"
+    newest, corrupt = newest_complete(folder)
+    complete = f"{folder.name}@{newest[0]}" if newest else "none complete"
+    if not corrupt:
+        return complete
+    steps = ", ".join(str(step) for step, _ in corrupt)
+    return f"{complete} (step {steps} corrupt)"
 
 
 @app.command()

@@ -34,6 +34,7 @@ import importlib.util
 import inspect
 import math
 import sys
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,11 @@ class EnvScore(RewardComponent):
         return out
 
 
+PROVIDED_ARGUMENTS = frozenset({"task", "prompt", "group", "completions", "completion", "messages",
+                                "trajectory", "state"})
+"""What ``task_arguments`` provides besides the task's own columns."""
+
+
 class Component(RewardComponent):
     """A verifier: a plain function scoring one trajectory (or, with ``completions``, a group)."""
 
@@ -122,6 +128,10 @@ class Component(RewardComponent):
         self.per_group = "completions" in self._params
         self._async = inspect.iscoroutinefunction(fn)
         self.limits_itself = self._async and not self.per_group
+
+    def task_columns(self) -> list[str]:
+        """The task columns this verifier asks for by name (a run checks them before it starts)."""
+        return [] if self._takes_kwargs else [p for p in self._params if p not in PROVIDED_ARGUMENTS]
 
     def arguments(self, trajectory: Trajectory | None, group: Group) -> dict[str, Any]:
         available = task_arguments(trajectory, group)
@@ -282,16 +292,25 @@ def _apply(component: RewardComponent, group: Group, values: list[Any], report: 
             report.add_error(component.name, value.error)
             number = math.nan
         else:
-            try:
-                number = math.nan if value is None else float(value)
-            except (TypeError, ValueError):
-                number = math.nan
+            number = _as_number(value)
             if not math.isfinite(number):
-                report.add_error(component.name, f"returned {value!r}")
+                report.add_error(component.name, f"returned {value!r} ({type(value).__name__}), "
+                                 f"expected a finite number")
                 number = math.nan
         trajectory.components[component.name] = number
         if reason:
             trajectory.metadata.setdefault("reasons", {})[component.name] = reason
+
+
+def _as_number(value: Any) -> float:
+    """A reward value as a float; NaN for None and for what is not a number. A string is not
+    one even when it reads as one ("0.5"): that is usually a judge reply parsed too early."""
+    if value is None or isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def as_reward(spec: Reward | Callable | list | dict) -> Reward:
@@ -316,16 +335,32 @@ def import_object(path: str) -> Any:
     if not sep or not attr:
         raise ValueError(f"{path!r} must look like 'module:function' or 'file.py:function'")
     if module_name.endswith(".py"):
-        file = Path(module_name)
-        if not file.exists():
-            raise FileNotFoundError(f"reward file {file} does not exist")
-        spec = importlib.util.spec_from_file_location(f"grooves_user_{file.stem}", file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+        module = _import_file(Path(module_name))
     else:
         module = importlib.import_module(module_name)
     try:
         return getattr(module, attr)
     except AttributeError:
         raise ValueError(f"{module_name} has no attribute {attr!r}") from None
+
+
+def _import_file(file: Path) -> Any:
+    """A user's Python file as a module; a syntax error or an exception while it runs is a
+    ValueError with the file and line, not a traceback through grooves."""
+    if not file.exists():
+        raise FileNotFoundError(f"file {file} does not exist")
+    spec = importlib.util.spec_from_file_location(f"grooves_user_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as error:
+        del sys.modules[spec.name]
+        raise ValueError(f"{file}:{error.lineno}: syntax error: {error.msg}") from None
+    except Exception as error:
+        del sys.modules[spec.name]
+        line = next((frame.lineno for frame in reversed(traceback.extract_tb(error.__traceback__))
+                     if Path(frame.filename) == file.resolve() or Path(frame.filename) == file), None)
+        where = f"{file}:{line}" if line else str(file)
+        raise ValueError(f"{where}: importing it raised {type(error).__name__}: {error}") from None
+    return module

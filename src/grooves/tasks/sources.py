@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import random
 from collections.abc import Iterable
@@ -54,9 +55,12 @@ def _builtin(source: str, split: str | None) -> list[Task]:
 def _read_file(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         raise TaskSourceError(f"task file {path} does not exist")
+    if path.suffix not in (".jsonl", ".csv"):
+        raise TaskSourceError(f"task file {path} must end in .jsonl or .csv")
+    text = _decode(path)
     if path.suffix == ".jsonl":
         rows = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
+        for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -66,10 +70,18 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
             if not isinstance(rows[-1], dict):
                 raise TaskSourceError(f"{path}:{number}: each line must be a JSON object")
         return rows
-    if path.suffix == ".csv":
-        with path.open(newline="") as handle:
-            return list(csv.DictReader(handle))
-    raise TaskSourceError(f"task file {path} must end in .jsonl or .csv")
+    return list(csv.DictReader(io.StringIO(text, newline="")))
+
+
+def _decode(path: Path) -> str:
+    """The file as UTF-8 text (a byte-order mark is dropped); other encodings are named errors."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise TaskSourceError(f"{path}:{line}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset "
+                              f"{error.start}); save the file as UTF-8") from None
 
 
 def split_tasks(tasks: list[Task], heldout_fraction: float, seed: int = 0) -> tuple[list[Task], list[Task]]:

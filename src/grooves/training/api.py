@@ -166,8 +166,8 @@ def train(
     train_tasks, heldout_tasks = task_splits(tasks, heldout, t.heldout_fraction, config.seed)
     sets = [TaskSet("", train_tasks, heldout_tasks, reward, t.prompt_template, t.system)]
     share_backbones(sets, policy)
-    return TrainingRun(config, policy, sets, runs_root(runs) / config.name, resume=resume,
-                       progress=progress).run()
+    return TrainingRun(config, policy, sets, runs_root(runs) / config.name, resume=resume, progress=progress,
+                       resume_command=f"gr.train(..., name={config.name!r}, resume=True)").run()
 
 
 def _describe(source: Any) -> str:

@@ -2,7 +2,10 @@
 
 A checkpoint is written into a temporary folder and renamed into place, so a
 ``checkpoints/step-000N/`` folder is always complete; a crash mid-write leaves only a
-``.tmp-*`` folder, which the next resume removes.
+``.tmp-*`` folder, which the next resume removes. Its ``manifest.json`` (every file's size
+and SHA-256, written last) lets a resume verify the checkpoint it picks: one damaged after
+the fact (a full disk, a bad copy) is set aside as ``corrupt-step-000N`` and the resume
+falls back to the newest complete one.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grooves.policy.checkpoints import list_checkpoints, step_dirname
+from grooves.policy.checkpoints import list_checkpoints, newest_complete, step_dirname, write_manifest
 from grooves.policy.policy import Policy
 
 
@@ -34,6 +37,7 @@ def save_checkpoint(run_dir: Path, step: int, policy: Policy, trainer_state: dic
     torch.save(random_state(generator), tmp / "rng.pt")
     state = {"step": step, "base_model": policy.base_spec, "created": time.time(), **extra}
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    write_manifest(tmp)
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -55,6 +59,18 @@ def load_checkpoint(checkpoint: Path, policy: Policy, generator: torch.Generator
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None
+
+
+def set_aside_corrupt(run_dir: Path) -> tuple[Path | None, list[tuple[int, str]]]:
+    """The newest checkpoint that verifies; newer damaged ones are renamed ``corrupt-step-000N``
+    (kept for inspection, out of the way of the steps the resumed run saves again)."""
+    newest, corrupt = newest_complete(run_dir)
+    for step, _ in corrupt:
+        folder = run_dir / "checkpoints" / step_dirname(step)
+        aside = folder.with_name(f"corrupt-{folder.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(folder, aside)
+    return (newest[1] if newest else None), corrupt
 
 
 def clean_partial(run_dir: Path) -> None:

@@ -111,6 +111,9 @@ class TrainConfig(_Section):
                                "forward (same numbers as the plain path, fewer tokens).")
     max_staleness: int | None = Field(None, ge=0, description="Leave out (and count) trajectories sampled "
                                       "more than this many updates ago (metadata policy_step); None = keep all.")
+    max_failed_steps: int = Field(3, ge=0, description="End the run (exit code 1) after this many steps in a "
+                                  "row that trained nothing because every reward failed or the reward statistics "
+                                  "were not finite; 0 = never.")
 
 
 class LogConfig(_Section):

@@ -35,6 +35,7 @@ from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
 from grooves.training.config import RunConfig, dump_config
 from grooves.training.rollout import Evaluation, completion_stats, evaluate, reward_metrics, rollout_groups
+from grooves.training.runlock import RunLock
 from grooves.training.sinks import MetricSinks
 from grooves.training.store import RunStore
 from grooves.training.tasksets import TaskMix, TaskSet
@@ -46,6 +47,10 @@ class RunExistsError(RuntimeError):
     """The run folder already holds a run and resume was not asked for."""
 
 
+class NothingToResumeError(RuntimeError):
+    """Resume was asked for, but the run folder holds no run."""
+
+
 @dataclass
 class Run:
     """What a finished (or stopped) run leaves behind."""
@@ -55,7 +60,9 @@ class Run:
     step: int
     metrics: list[dict] = field(default_factory=list)
     evaluations: dict[int, Evaluation] = field(default_factory=dict)
-    halted_by: str | None = None  # "pause" or "stop" when an alert (or the stop rule) ended the run early
+    # Why the run ended before its budget: "pause" or "stop" (an alert or the stop rule), "failed"
+    # (train.max_failed_steps steps in a row did nothing), "interrupt" (Ctrl-C, after a checkpoint).
+    halted_by: str | None = None
     halt_reason: str | None = None
 
     @property
@@ -98,10 +105,17 @@ class TrainingRun:
         self._prompt_lengths: dict[tuple[str, str], int] = {}
         self._reported_errors: set[tuple[str, str]] = set()
         self.evaluations: dict[int, Evaluation] = {}
+        for task_set in task_sets:
+            for warning in task_set.check():
+                self.console.print(f"[yellow]warning[/]: {escape(warning)}")
 
     # --- the loop --------------------------------------------------------------------
 
     def run(self) -> Run:
+        with RunLock(self.run_dir):
+            return self._run()
+
+    def _run(self) -> Run:
         start = self._open()
         step = start
         try:
@@ -119,6 +133,7 @@ class TrainingRun:
                     if stop.requested:
                         self.console.print(f"[yellow]stopped[/] after step {step} (checkpoint saved); "
                                            f"continue with: {self.resume_command}")
+                        self._halt = self._halt or ("interrupt", f"interrupted after step {step}")
                         break
                     if self._halt is not None:
                         self._announce_halt(step)
@@ -151,11 +166,34 @@ class TrainingRun:
         if metrics.get("alerts/nan_loss"):
             self._alert(step, "nan_loss", "Loss or gradient was not finite: the step was skipped and the "
                         "adapter left unchanged.", {"reward/total": metrics.get("reward/total")})
+        self._check_failed(step, sampled, reports, metrics)
         if self._has_heldout and (step % self.config.log.val_every == 0 or step == self.config.steps):
             metrics.update(self._validate(step))
         self._watch(step, sampled, metrics)
         metrics["train/total_step_time"] = time.perf_counter() - t0
         return metrics
+
+    def _check_failed(self, step: int, groups: list[Group], reports: dict[str, RewardReport],
+                      metrics: dict[str, float]) -> None:
+        """A step whose every reward failed, or whose reward statistics overflowed, trains nothing;
+        after ``train.max_failed_steps`` of them in a row the run ends instead of spending its budget."""
+        rewards = [t.reward for g in groups for t in g.trajectories if t.reward == t.reward]
+        failed = None
+        if metrics.get("alerts/nonfinite_stats"):
+            failed = (f"the reward statistics were not finite (rewards from {min(rewards):.3g} to "
+                      f"{max(rewards):.3g}); scale the reward to a moderate range")
+            self._alert(step, "nonfinite_stats", f"Step skipped: {failed}.",
+                        {"reward_min": min(rewards), "reward_max": max(rewards)})
+        elif not rewards:
+            errors = "; ".join(f"{name}: {error}" for report in reports.values()
+                               for name, error in report.first_error.items())
+            failed = f"every reward failed ({errors or 'no component scored any trajectory'})"
+        self.failed_steps = self.failed_steps + 1 if failed else 0
+        limit = self.config.train.max_failed_steps
+        if failed and limit and self.failed_steps >= limit and self._halt is None:
+            reason = f"{limit} steps in a row trained nothing: {failed}"
+            self.store.record_alert(step, "run_failed", "critical", reason, {"action": "stop"})
+            self._halt = ("failed", reason)
 
     def _watch(self, step: int, groups: list[Group], metrics: dict[str, float]) -> None:
         """Run the hacking detectors; record and show their alerts; apply the alert policy."""
@@ -191,6 +229,8 @@ class TrainingRun:
                                           f"Read the samples: grooves review {self.run_dir.name}@{step}\n"
                                           f"Continue, accepting this alert: {self.resume_command} "
                                           f"--ack {detector}"), title="paused by an alert", border_style="yellow"))
+        elif action == "failed":
+            self.console.print(f"[bold red]run failed[/] after step {step} (checkpoint saved): {escape(reason)}")
         else:
             self.console.print(f"[yellow]stopped[/] after step {step} (checkpoint saved): {escape(reason)}")
 
@@ -261,6 +301,10 @@ class TrainingRun:
         return self._prompt_lengths[key]
 
     @property
+    def resume_hint(self) -> str:
+        return f"resume with `{self.resume_command}`"
+
+    @property
     def _has_heldout(self) -> bool:
         return any(self.heldout.values())
 
@@ -290,14 +334,16 @@ class TrainingRun:
         """Create or reopen the run folder; return the step to continue after."""
         has_run = (self.run_dir / "metrics.jsonl").exists() or ckpt.latest_checkpoint(self.run_dir)
         if has_run and not self.resume:
-            raise RunExistsError(f"{self.run_dir} already holds a run: pass --resume to continue it, "
-                                 f"or choose another name (--out or name = ...)")
+            raise RunExistsError(f"{self.run_dir} already holds a run: {self.resume_hint} to continue it, "
+                                 f"or give the new run another name")
+        if self.resume and not has_run:
+            raise NothingToResumeError(f"nothing to resume: {self.run_dir} holds no run yet "
+                                       f"(start it without resuming)")
         self.store = RunStore(self.run_dir)
         self.prompts_skipped = 0
+        self.failed_steps = 0
         start = 0
-        latest = ckpt.latest_checkpoint(self.run_dir) if self.resume else None
-        if self.resume:
-            ckpt.clean_partial(self.run_dir)
+        latest = self._resume_point() if self.resume else None
         if latest is not None:
             trainer_state, state = ckpt.load_checkpoint(latest, self.policy, self.generator)
             self.trainer.load_state_dict(trainer_state)
@@ -305,10 +351,13 @@ class TrainingRun:
             self.prompts_skipped = state.get("prompts_skipped", 0)
             self.monitors.load_state_dict(state.get("monitors", {}))
             self.acknowledged |= set(state.get("acknowledged", []))
+            self.failed_steps = state.get("failed_steps", 0)
             start = state["step"]
             self.store.truncate_after(start)
             self.console.print(f"[bold]grooves[/]: resuming {self.run_dir.name} after step {start}")
         elif self.resume:  # nothing was saved yet: start over, step 0 included
+            self.console.print(f"[bold]grooves[/]: {self.run_dir.name} has no complete checkpoint: "
+                               f"starting it over from step 0")
             self.store.truncate_after(-1)
         if start == 0:
             # Global generators drive LoRA dropout; seeding them makes a run independent of what
@@ -319,11 +368,22 @@ class TrainingRun:
                                  self.run_dir.name, self.config.model_dump(mode="json"))
         return start
 
+    def _resume_point(self) -> Path | None:
+        """The newest checkpoint that verifies; damaged newer ones are set aside and named."""
+        ckpt.clean_partial(self.run_dir)
+        latest, corrupt = ckpt.set_aside_corrupt(self.run_dir)
+        for step, problem in corrupt:
+            self.console.print(f"[yellow]checkpoint step {step} is corrupt[/] ({escape(problem)}); set aside as "
+                               f"checkpoints/corrupt-{ckpt.step_dirname(step)}")
+        if corrupt and latest is not None:
+            self.console.print(f"resuming from the newest complete checkpoint, {latest.name}")
+        return latest
+
     def _save(self, step: int) -> None:
         ckpt.save_checkpoint(self.run_dir, step, self.policy, self.trainer.state_dict(), self.generator,
                              {"tasks": self.mix.state(), "prompts_skipped": self.prompts_skipped,
                               "run": self.run_dir.name, "monitors": self.monitors.state_dict(),
-                              "acknowledged": sorted(self.acknowledged)})
+                              "acknowledged": sorted(self.acknowledged), "failed_steps": self.failed_steps})
         ckpt.prune(self.run_dir, self.config.log.keep_checkpoints)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:

@@ -10,6 +10,7 @@ reported per set under ``task/<name>/...`` besides the overall ``reward/total``.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 from grooves.envs.base import Env
@@ -33,6 +34,35 @@ class TaskSet:
         if self.env is not None:
             return self.env.prompt(task)
         return render_prompt(task, self.prompt_template, self.system)
+
+    def check(self) -> list[str]:
+        """Raise ConfigError when a verifier asks for a task column some tasks lack; return
+        warnings about the tasks (ids that occur more than once)."""
+        from grooves.training.config import ConfigError
+
+        tasks = self.train + self.heldout
+        where = f"task set {self.name!r}: " if self.name else ""
+        for component in self.reward.components:
+            for column in getattr(component, "task_columns", lambda: [])():
+                lacking = [t["id"] for t in tasks if column not in t]
+                if lacking:
+                    raise ConfigError(f"{where}reward component {component.name!r} asks for task column {column!r}, "
+                                      f"which {len(lacking)} of {len(tasks)} tasks lack (e.g. task {lacking[0]!r}, "
+                                      f"whose columns are {sorted(next(t for t in tasks if t['id'] == lacking[0]))})")
+        warnings = []
+        counts = Counter(t["id"] for t in tasks)
+        repeated = {i: n for i, n in counts.items() if n > 1}
+        if repeated:
+            example, times = next(iter(repeated.items()))
+            warnings.append(f"{where}{len(repeated)} task ids occur more than once (e.g. {example!r} x{times}). "
+                            f"Every copy is kept and drawn (or evaluated) once per copy; a split made by "
+                            f"heldout_fraction goes by id, so copies stay on one side. Give each task its own "
+                            f"id to tell them apart in reviews and alerts.")
+        both = {t["id"] for t in self.train} & {t["id"] for t in self.heldout}
+        if both:
+            warnings.append(f"{where}{len(both)} task ids are both trained on and held out "
+                            f"(e.g. {next(iter(both))!r}): the held-out reward overstates generalisation.")
+        return warnings
 
     def prefix(self, metric: str) -> str:
         """Where a set's metric goes: unchanged for a single set, under task/<name>/ in a mix."""

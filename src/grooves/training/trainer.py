@@ -13,6 +13,10 @@ Deviations worth knowing:
   left as they were before the step (earlier passes are undone) and ``alerts/nan_loss = 1``.
 - A batch whose advantages are all zero (and ``beta == 0``) is skipped: it has no gradient,
   but an AdamW step would still move the adapter through its momentum.
+- Rewards so large that their group statistics overflow (1e300 squared is inf in float64,
+  and an advantage past 3.4e38 is inf in float32) skip the step with
+  ``alerts/nonfinite_stats = 1``: a std of inf would otherwise make every advantage 0 and
+  the skip look like a batch without signal.
 - ``kl`` (to the base model, the adapter disabled) is logged every ``kl_every`` steps even
   when ``beta == 0``; that costs one forward pass without gradient.
 """
@@ -80,7 +84,7 @@ class Trainer:
         prepared.metrics["train/trajectories_stale"] = float(stale)
         metrics = {**prepared.metrics, "train/lr": lr}
         no_signal = self.algorithm.beta == 0 and not bool((prepared.advantages != 0).any())
-        if not prepared.trajectories or no_signal:  # nothing to learn: AdamW momentum must not move the adapter
+        if not prepared.trajectories or no_signal or prepared.metrics.get("alerts/nonfinite_stats"):  # nothing to learn: AdamW momentum must not move the adapter
             metrics["train/skipped"] = 1.0
             self.step += 1
             return metrics
@@ -248,9 +252,12 @@ def prepare_batch(groups: list[Group], alg: Algorithm, max_completion_length: in
         penalty = overlong_penalty(lengths, max_completion_length, buffer, alg.overlong_penalty).double()
         rewards = rewards + penalty
         metrics["train/overlong_penalty"] = penalty.mean().item()
-    advantages = ESTIMATORS[alg.advantage](rewards, torch.tensor(group_index), alg.adv_eps)
+    advantages = ESTIMATORS[alg.advantage](rewards, torch.tensor(group_index), alg.adv_eps).float()
+    if not (torch.isfinite(rewards.square().sum()) and torch.isfinite(advantages).all()):
+        metrics["alerts/nonfinite_stats"] = 1.0
+        return PreparedBatch(kept, torch.zeros_like(advantages), metrics)
     metrics["train/advantage_abs"] = advantages.abs().mean().item()
-    return PreparedBatch(kept, advantages.float(), metrics)
+    return PreparedBatch(kept, advantages, metrics)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
