@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
-from grooves.policy.tools import ToolCall, parse_tool_calls
+from grooves.policy.tools import ToolCall, parse_tool_calls, tool_call_text
 from grooves.types import Message, Task
 
 
@@ -106,6 +106,11 @@ class Tool:
             prop.pop("title", None)
         return {"type": "function", "function": {"name": self.name, "description": self.description,
                                                  "parameters": parameters}}
+
+
+def call_text(name: str, **arguments: Any) -> str:
+    """One tool call as an assistant turn's text, in the format the rendering asks for."""
+    return tool_call_text({"name": name, "arguments": arguments})
 
 
 def tool(fn: Callable | None = None, *, name: str | None = None) -> Callable:
@@ -199,6 +204,12 @@ class Env:
 
     def close(self, state: State) -> None:
         """Release ``state.resources``."""
+
+    def demonstrate(self, task: Task) -> list[str] | None:
+        """An expert's assistant turns for ``task``, written as the model should write them (tool
+        calls in the rendering's own format, ``call_text``); None when there is none for this task.
+        ``grooves.envs.replay.demonstrations`` replays them and keeps those that score in full."""
+        raise NotImplementedError(f"env {self.name!r} has no demonstrations")
 
     def solved(self, scores: dict[str, float]) -> bool:
         """Whether a rollout with these scores solved its task: its ``success`` score is 1

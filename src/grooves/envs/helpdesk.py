@@ -34,10 +34,11 @@ from __future__ import annotations
 import datetime
 import itertools
 import random
+import re
 import sqlite3
 from typing import Any, ClassVar
 
-from grooves.envs.base import State, tool
+from grooves.envs.base import State, call_text, tool
 from grooves.envs.sqlite import SQLiteApp
 from grooves.types import Task
 
@@ -286,6 +287,33 @@ class Helpdesk(SQLiteApp):
                 "prompt": f"Hi, I'm {who}. {ask}", "kind": kind,
                 "expected": {"customer_id": cid, "order_id": order["id"] if order else None, "changes": changes,
                              "facts": facts, "contradicting": contradicting}}
+
+    def demonstrate(self, task: Task) -> list[str]:
+        """Look the customer up as they wrote themselves, open the order meant (through their
+        order list when they named a product, directly when they gave its number), act as the
+        policy says, and reply with the facts the score looks for."""
+        expected, kind = task["expected"], task["kind"]
+        cid, oid = expected["customer_id"], expected["order_id"]
+        who = re.match(r"Hi, I'm (.+?)\. ", task["prompt"])
+        turns = [call_text("find_customer", query=who.group(1) if who else
+                           self.row(self.template, "SELECT email FROM customers WHERE id = ?", cid)["email"])]
+        if kind == "address":
+            new = expected["changes"]["customers"]["updated"][str(cid)]["address"]
+            return turns + [call_text("update_address", customer_id=cid, address=new),
+                            call_text("reply", message=f"I have changed your address to {new}.")]
+        if kind != "refuse_other":
+            turns.append(call_text("list_orders", customer_id=cid))
+        turns.append(call_text("get_order", order_id=oid))
+        order = self._order(self.template, oid)
+        reply = {"refund": f"I have issued a refund of {order['total']:.2f} for order #{oid}.",
+                 "status": f"Your order #{oid} is {order['status']}.",
+                 "refuse_late": f"I'm sorry, I cannot refund order #{oid}: its refund window ended on "
+                                f"{order['refund_window_ends']}.",
+                 "refuse_refunded": f"I cannot refund order #{oid}: it has already been refunded.",
+                 "refuse_other": f"I cannot refund order #{oid}: it does not belong to your account."}[kind]
+        if kind == "refund":
+            turns.append(call_text("issue_refund", order_id=oid))
+        return turns + [call_text("reply", message=reply)]
 
     def solved(self, scores: dict[str, float]) -> bool:
         return scores["action"] == 1.0 and scores["reply"] == 1.0  # the right change, and said so

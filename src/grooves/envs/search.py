@@ -49,7 +49,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field
 
-from grooves.envs.base import State, tool
+from grooves.envs.base import State, call_text, tool
 from grooves.envs.sqlite import SQLiteApp
 from grooves.types import Task
 
@@ -316,6 +316,18 @@ class Search(SQLiteApp):
         """
         self.finish(state, text, "answer")
         return "answer recorded"
+
+    def demonstrate(self, task: Task) -> list[str] | None:
+        """Search (the question, else the document id a ``default`` question names), read the
+        source, answer. None when no such search shows the source in its top 10: a demo that
+        reads a document it was never shown would teach guessing ids."""
+        queries = [task["prompt"]] + ([task["source"]] if task["kind"] == "default" else [])
+        for query in queries:
+            for k in (5, 10):
+                if any(hit["doc_id"] == task["source"] for hit in bm25_search(self.template, query, k)):
+                    search = call_text("search", query=query) if k == 5 else call_text("search", query=query, k=k)
+                    return [search, call_text("read", doc_id=task["source"]), call_text("answer", text=task["answer"])]
+        return None
 
     def score(self, state: State) -> dict[str, float]:
         answer, truth = state.answer or "", state.task["answer"]

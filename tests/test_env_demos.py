@@ -1,0 +1,93 @@
+"""Scripted rollouts and expert demonstrations: replayed through the env, scored by its own score()."""
+
+import json
+
+import pytest
+
+from grooves.envs import load_env
+from grooves.envs.base import call_text
+from grooves.envs.replay import demonstrations, replay
+
+
+@pytest.fixture(scope="module")
+def helpdesk():
+    return load_env("helpdesk")
+
+
+@pytest.fixture(scope="module")
+def search():
+    return load_env("search")
+
+
+def test_every_helpdesk_demo_earns_every_score(helpdesk):
+    tasks = helpdesk.tasks("train", 60, seed=1)
+    kept, counts = demonstrations(helpdesk, tasks)
+    assert counts == {"kept": 60, "no_demo": 0, "imperfect": 0}
+    kinds = {r.task["kind"] for r in kept}
+    assert kinds == {"refund", "refuse_late", "refuse_refunded", "refuse_other", "status", "address"}
+    refund = next(r for r in kept if r.task["kind"] == "refund")
+    roles = [m["role"] for m in refund.messages]
+    assert roles == ["system", "user"] + ["assistant", "tool"] * 5  # find, list, get, refund, reply
+    call = refund.messages[2]["tool_calls"][0]["function"]
+    assert call["name"] == "find_customer" and json.loads(call["arguments"])["query"] in refund.task["prompt"]
+
+
+def test_search_demos_read_a_source_their_search_showed(search):
+    tasks = search.tasks("train", 60, seed=1)
+    kept, counts = demonstrations(search, tasks)
+    assert counts["imperfect"] == 0 and counts["kept"] >= 55
+    for result in kept:
+        shown = json.loads(result.messages[3]["content"])  # the search tool's result
+        assert result.task["source"] in [hit["doc_id"] for hit in shown]
+        assert result.scores["exact"] == result.scores["read_source"] == 1.0
+
+
+def test_a_scripted_policy_violation_loses_the_action_score(helpdesk):
+    task = next(t for t in helpdesk.tasks("train", 200) if t["kind"] == "refuse_late")
+    good = helpdesk.demonstrate(task)
+    bad = good[:-1] + [call_text("issue_refund", order_id=task["expected"]["order_id"]),
+                       call_text("reply", message="I have refunded your order.")]
+    result = replay(helpdesk, task, bad)
+    assert result.finish == "answer" and result.scores["action"] == 0.0 and result.scores["reply"] == 0.0
+    assert result.scores["customer"] == 1.0  # what it did right still counts
+
+
+def test_a_script_that_runs_out_before_an_answer_ends_as_such(helpdesk):
+    task = helpdesk.tasks("train", 1)[0]
+    result = replay(helpdesk, task, helpdesk.demonstrate(task)[:2])
+    assert result.finish == "script_ended" and result.turns == 2 and not result.full_score
+
+
+def test_a_script_longer_than_max_turns_is_cut_there():
+    env = load_env("helpdesk", max_turns=2)
+    task = env.tasks("train", 1)[0]
+    result = replay(env, task, env.demonstrate(task))
+    assert result.finish == "max_turns" and result.turns == 2
+
+
+@pytest.mark.parametrize("name", ["helpdesk", "search"])
+def test_no_heldout_task_appears_in_a_demo_set(name, request):
+    env = request.getfixturevalue(name)
+    heldout = env.tasks("heldout")
+    kept, _ = demonstrations(env, env.tasks("train"))
+    demo_ids = {r.task["id"] for r in kept}
+    demo_prompts = {r.task["prompt"] for r in kept}
+    assert not demo_ids & {t["id"] for t in heldout}
+    assert not demo_prompts & {t["prompt"] for t in heldout}
+    if name == "search":  # held-out questions come from documents no demo reads
+        read = {json.loads(m["tool_calls"][0]["function"]["arguments"]).get("doc_id")
+                for r in kept for m in r.messages if m.get("tool_calls")}
+        assert not read & {t["source"] for t in heldout}
+    else:  # held-out customers are never looked up by a demo
+        assert not {r.task["expected"]["customer_id"] for r in kept} & {t["expected"]["customer_id"] for t in heldout}
+
+
+def test_a_demo_record_is_an_openai_chat(helpdesk):
+    task = helpdesk.tasks("train", 1)[0]
+    record = replay(helpdesk, task, helpdesk.demonstrate(task)).record()
+    assert record["task_id"] == task["id"] and set(record["scores"]) == set(helpdesk.weights)
+    for message in record["messages"]:
+        assert "raw" not in message
+        if message["role"] == "tool":
+            assert message["tool_call_id"].startswith("call_")
+    json.dumps(record)  # one JSON line
