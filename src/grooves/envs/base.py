@@ -22,6 +22,10 @@ a tool that hangs      a timeout note (``tool_timeout_s``)        ``tool_errors/
 an enormous result     the first ``max_result_chars`` and a note  ``tool_results/truncated``
 =====================  =========================================  ======================
 
+A tool whose function cannot take arguments that passed its schema is the env author's bug,
+not the model's: it is counted apart (``tool_errors/env_bug``), the model is told the
+environment failed, and ``state.data["env_bugs"]`` keeps the error for ``grooves env try``.
+
 A single-turn task is the trivial case: an env with no tools whose first reply is final.
 """
 
@@ -90,22 +94,72 @@ class State:
     finish: str = ""  # "answer", "max_turns", "max_tokens" once done
 
 
+class BadArguments(ValueError):
+    """The model's arguments do not fit the tool's schema; the message lists each problem."""
+
+
 @dataclass
 class Tool:
-    """A tool: its name, description, argument model and the function behind it."""
+    """A tool: its name, description, arguments and the function behind it.
+
+    Made by ``@tool`` (``make_tool``: a pydantic model from the signature; the function is called
+    as ``fn(state, **arguments)``) or by ``Tool.from_schema`` (an OpenAI schema checked with
+    JSON Schema; the function is called as ``fn(state, arguments)``, so an argument may have any
+    name, ``state`` included).
+    """
 
     name: str
     description: str
     fn: Callable[..., Any]
-    arguments: type  # a pydantic model of the arguments
+    arguments: type | None = None  # a pydantic model of the arguments (``@tool``)
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (``from_schema``)
+
+    @classmethod
+    def from_schema(cls, schema: dict[str, Any], fn: Callable[[State, dict[str, Any]], Any]) -> Tool:
+        """A tool from an OpenAI tool schema (``{"type": "function", "function": {...}}`` or the inner
+        ``{"name", "description", "parameters"}``) and ``fn(state, arguments)``."""
+        from jsonschema import Draft202012Validator
+
+        function = schema.get("function", schema)
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        Draft202012Validator.check_schema(parameters)  # a broken schema is the env author's error, now
+        return cls(function["name"], function.get("description", ""), fn, parameters=parameters)
 
     def schema(self) -> dict[str, Any]:
-        parameters = self.arguments.model_json_schema()
-        parameters.pop("title", None)
-        for prop in parameters.get("properties", {}).values():
-            prop.pop("title", None)
+        if self.parameters is not None:
+            parameters = self.parameters
+        else:
+            parameters = self.arguments.model_json_schema()
+            parameters.pop("title", None)
+            for prop in parameters.get("properties", {}).values():
+                prop.pop("title", None)
         return {"type": "function", "function": {"name": self.name, "description": self.description,
                                                  "parameters": parameters}}
+
+    def validate(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The arguments the function gets, or BadArguments saying what is wrong with ``raw``."""
+        if self.parameters is not None:
+            from jsonschema import Draft202012Validator
+
+            errors = sorted(Draft202012Validator(self.parameters).iter_errors(raw), key=lambda e: list(e.path))
+            if errors:
+                raise BadArguments("; ".join(f"{'.'.join(map(str, e.path)) or '(arguments)'}: {e.message}"
+                                             for e in errors))
+            return dict(raw)
+        try:
+            model = self.arguments.model_validate(raw)
+        except ValidationError as error:
+            raise BadArguments("; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(arguments)'}: {e['msg']}"
+                                         for e in error.errors())) from None
+        return {k: getattr(model, k) for k in type(model).model_fields}
+
+    def bind(self, state: State, arguments: dict[str, Any]) -> Callable[[], Any]:
+        """The call, ready to run; a TypeError here is a bug in the env's tool, not the model's."""
+        if self.parameters is not None:
+            inspect.signature(self.fn).bind(state, arguments)
+            return functools.partial(self.fn, state, arguments)
+        inspect.signature(self.fn).bind(state, **arguments)
+        return functools.partial(self.fn, state, **arguments)
 
 
 def call_text(name: str, **arguments: Any) -> str:
@@ -219,6 +273,10 @@ class Env:
 
     # --- the contract --------------------------------------------------------------
 
+    def extra_tools(self) -> list[Tool]:
+        """Tools that are not ``@tool`` methods, e.g. ``Tool.from_schema`` over a benchmark's schemas."""
+        return []
+
     @functools.cached_property
     def tool_list(self) -> list[Tool]:
         tools = []
@@ -226,6 +284,10 @@ class Env:
             fn = getattr(type(self), attr, None)
             if callable(fn) and hasattr(fn, "__grooves_tool__"):
                 tools.append(make_tool(getattr(self, attr), fn.__grooves_tool__))
+        tools += self.extra_tools()
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"env {self.name!r} has two tools of one name: {sorted(names)}")
         return tools
 
     @functools.cached_property
@@ -334,15 +396,17 @@ class Env:
             state.counters["tool_errors/unknown_tool"] += 1
             return self._error_message(call, f"unknown tool {call.name!r}; the tools are: {', '.join(tools)}")
         try:
-            arguments = found.arguments.model_validate(call.arguments)
-        except ValidationError as error:
+            invoke = found.bind(state, found.validate(call.arguments))
+        except BadArguments as error:
             state.counters["tool_errors/bad_arguments"] += 1
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(arguments)'}: {e['msg']}"
-                                 for e in error.errors())
-            return self._error_message(call, f"invalid arguments for {call.name}: {problems}")
-        kwargs = {k: getattr(arguments, k) for k in type(arguments).model_fields}
+            return self._error_message(call, f"invalid arguments for {call.name}: {error}")
+        except TypeError as error:  # valid arguments the env's own function cannot take
+            state.counters["tool_errors/env_bug"] += 1
+            state.data.setdefault("env_bugs", []).append(f"{call.name}: {error}")
+            return self._error_message(call, f"{call.name} could not run (an error in the environment, "
+                                             f"not in your call)")
         try:
-            running = asyncio.get_running_loop().run_in_executor(TOOL_THREADS, functools.partial(found.fn, state, **kwargs))
+            running = asyncio.get_running_loop().run_in_executor(TOOL_THREADS, invoke)
             result = await asyncio.wait_for(running, self.tool_timeout_s)
         except TimeoutError:
             state.counters["tool_errors/timeout"] += 1

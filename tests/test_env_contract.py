@@ -1,0 +1,90 @@
+"""The env contract carries someone else's benchmark: tools from JSON schemas, an argument named
+``state``, and the env's own bugs counted apart from the model's mistakes."""
+
+import json
+
+import pytest
+
+from grooves.envs.base import Env, State, Tool, call_text, tool
+from grooves.envs.replay import replay
+
+ADDRESS_SCHEMA = {"type": "function", "function": {
+    "name": "modify_address", "description": "Change the user's address.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["user_id", "state", "zip"],
+                   "properties": {"user_id": {"type": "string"}, "state": {"type": "string"},
+                                  "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+
+
+class Shop(Env):
+    name = "shop-test"
+    weights = {"moved": 1.0}
+
+    def setup(self, state: State) -> None:
+        state.data["users"] = {"u1": {"state": "NY", "zip": "10001"}}
+
+    def extra_tools(self) -> list[Tool]:
+        def modify_address(state: State, arguments: dict) -> dict:
+            state.data["users"][arguments["user_id"]].update(state=arguments["state"], zip=arguments["zip"])
+            return state.data["users"][arguments["user_id"]]
+
+        def broken(state: State, arguments: dict, needs_more) -> str:  # the env author's mistake
+            return "never"
+
+        return [Tool.from_schema(ADDRESS_SCHEMA, modify_address),
+                Tool.from_schema({"name": "broken", "parameters": {"type": "object", "properties": {}}}, broken)]
+
+    @tool
+    def lookup(self, ctx: State, state: str) -> list[str]:
+        """Users who live in a US state.
+
+        Args:
+            state: two-letter code, e.g. NY
+        """
+        return [uid for uid, user in ctx.data["users"].items() if user["state"] == state]
+
+    def tasks(self, split="train", n=None, seed=0):
+        return [{"id": "t1", "prompt": "I moved to CA 94103."}]
+
+    def score(self, state: State) -> dict[str, float]:
+        return {"moved": float(state.data["users"]["u1"] == {"state": "CA", "zip": "94103"})}
+
+
+def test_a_schema_tool_with_a_state_argument_runs_and_is_validated():
+    env = Shop()
+    assert env.tools_by_name["modify_address"].schema() == ADDRESS_SCHEMA  # offered to the model as given
+    turns = [call_text("modify_address", user_id="u1", state="CA", zip="9410"),  # a bad zip: the model's error
+             call_text("modify_address", user_id="u1", state="CA", zip="94103"),
+             call_text("lookup", state="CA"), "Done."]
+    result = replay(env, env.tasks()[0], turns)
+    assert result.scores == {"moved": 1.0}
+    tool_replies = [m["content"] for m in result.messages if m["role"] == "tool"]
+    assert tool_replies[0].startswith("error: invalid arguments for modify_address: zip: '9410' does not match")
+    assert json.loads(tool_replies[1]) == {"state": "CA", "zip": "94103"}
+    assert json.loads(tool_replies[2]) == ["u1"]  # an @tool argument named state, the rollout state as ctx
+    assert result.counters["tool_errors/bad_arguments"] == 1 and "tool_errors/env_bug" not in result.counters
+
+
+def test_an_env_bug_is_counted_apart_from_the_models_mistakes():
+    env = Shop()
+    state = env.reset(env.tasks()[0])
+    import asyncio
+
+    reply = asyncio.run(env.respond(state, call_text("broken")))
+    assert state.counters["tool_errors/env_bug"] == 1
+    assert state.counters["tool_errors/raised"] == 0 and state.counters["tool_errors/bad_arguments"] == 0
+    assert "an error in the environment" in reply[0]["content"]
+    assert "missing a required argument: 'needs_more'" in state.data["env_bugs"][0]
+
+
+def test_a_broken_schema_or_a_duplicate_tool_name_fails_when_the_env_is_built():
+    from jsonschema.exceptions import SchemaError
+
+    with pytest.raises(SchemaError):
+        Tool.from_schema({"name": "x", "parameters": {"type": "objekt"}}, lambda state, arguments: None)
+
+    class Twice(Shop):
+        def extra_tools(self):
+            return [Tool.from_schema({"name": "lookup"}, lambda state, arguments: None)]
+
+    with pytest.raises(ValueError, match="two tools of one name"):
+        Twice().tool_list
