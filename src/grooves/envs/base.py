@@ -220,6 +220,7 @@ class Env:
     success: ClassVar[str] = ""  # the score that says the task was solved (benchmarks' success rate)
     max_turns: int = 8
     max_tokens: int = 512  # generated tokens per rollout, all turns together
+    user: Any = None  # the user's side after a text turn (grooves.envs.users); None: a text turn is the answer
     tool_timeout_s: float = 5.0
     max_result_chars: int = 2000
     parser: str = "auto"
@@ -314,7 +315,8 @@ class Env:
 
     async def respond(self, state: State, text: str) -> list[Message]:
         """Take the model's turn ``text``: record it, run its tool calls (in worker threads, with a
-        timeout each) and return the env's messages. A turn without tool calls is the answer."""
+        timeout each) and return the env's messages. A turn without tool calls is the answer, unless
+        the env's user (``user_turn``) replies to it."""
         reply = parse_tool_calls(text, self.parser)
         state.turns += 1
         for index, call in enumerate(reply.tool_calls):  # ids from the position: a replay gives the same ids
@@ -333,9 +335,19 @@ class Env:
             if state.done:
                 break
         if not reply.tool_calls and not reply.errors:
-            self.finish(state, reply.content, "answer")
+            follow = await self.user_turn(state, reply.content)
+            if follow is None:
+                self.finish(state, reply.content, "answer")
+            else:
+                state.counters["user_turns"] += 1
+                out.append({"role": "user", "content": follow})
         state.messages += out
         return out
+
+    async def user_turn(self, state: State, text: str) -> str | None:
+        """After an assistant turn without tool calls: the user's next message, or None to end the
+        rollout with ``text`` as the answer. Asks ``self.user`` (``grooves.envs.users``) when set."""
+        return None if self.user is None else await self.user(state, text)
 
     def finish(self, state: State, answer: str | None, reason: str) -> None:
         """End the rollout (an answer tool calls this with the model's answer)."""
