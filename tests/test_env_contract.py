@@ -88,3 +88,42 @@ def test_a_broken_schema_or_a_duplicate_tool_name_fails_when_the_env_is_built():
 
     with pytest.raises(ValueError, match="two tools of one name"):
         Twice().tool_list
+
+
+def test_class_level_settings_are_not_options():
+    from grooves.envs import load_env
+
+    for setting in ("success", "system_prompt", "prompt_budget"):
+        with pytest.raises(ValueError, match=f"unknown option '{setting}'"):
+            load_env("helpdesk", **{setting: "x"})
+    assert load_env("helpdesk", max_turns=3).max_turns == 3
+
+
+def test_an_env_that_needs_longer_prompts_than_the_run_allows_stops_at_start(tmp_path):
+    from grooves.policy import LoRA, Policy
+    from grooves.rewards.compose import EnvScore, Reward
+    from grooves.training.config import ConfigError, parse_config
+    from grooves.training.loop import TrainingRun
+    from grooves.training.tasksets import TaskSet
+
+    class Wordy(Shop):
+        prompt_budget = 4096
+
+    env = Wordy()
+    task_set = TaskSet("", env.tasks(), [], Reward([EnvScore("moved")]), env=env)
+    config = parse_config({"model": {"spec": "tiny"}, "sampling": {"max_prompt_length": 1024}})
+    with pytest.raises(ConfigError, match="sampling.max_prompt_length: 1024 tokens is less than the 4096"):
+        TrainingRun(config, Policy.load("tiny", lora=LoRA(rank=2)), [task_set], tmp_path / "run")
+
+
+def test_a_skipped_long_prompt_is_shown_not_only_counted(tmp_path):
+    from typer.testing import CliRunner
+
+    from grooves.cli import app
+    from helpers import tiny_config
+
+    config = tiny_config(tmp_path, steps=1)
+    config.write_text(config.read_text().replace("max_completion_length = 12", "max_completion_length = 12\nmax_prompt_length = 40"))
+    result = CliRunner().invoke(app, ["train", str(config), "--runs", str(tmp_path / "runs"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "over sampling.max_prompt_length=40: skipped" in " ".join(result.output.split())

@@ -221,6 +221,9 @@ class Env:
     max_turns: int = 8
     max_tokens: int = 512  # generated tokens per rollout, all turns together
     user: Any = None  # the user's side after a text turn (grooves.envs.users); None: a text turn is the answer
+    # Prompt tokens (system, tools, task) this env's tasks may need; a run whose
+    # sampling.max_prompt_length is smaller stops at start-up instead of skipping them.
+    prompt_budget: ClassVar[int | None] = None
     tool_timeout_s: float = 5.0
     max_result_chars: int = 2000
     parser: str = "auto"
@@ -234,8 +237,12 @@ class Env:
     @classmethod
     def option_names(cls) -> list[str]:
         """Settings a config's ``[env] options`` may change: plain public class values (numbers,
-        strings, flags), not the env's identity (``name``, ``weights``, ...) or its methods."""
+        strings, flags), not the env's identity (``name``, ``weights``, ...), nothing declared
+        ``ClassVar`` (``success``, ``system_prompt``: what the env is, not how it runs) and no method."""
         fixed = {"name", "description", "weights", "schema"}
+        for klass in cls.__mro__:
+            fixed |= {key for key, hint in vars(klass).get("__annotations__", {}).items()
+                      if str(hint).startswith(("ClassVar", "typing.ClassVar"))}
         names = set()
         for klass in cls.__mro__:
             for key, value in vars(klass).items():

@@ -33,7 +33,7 @@ from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
 from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
-from grooves.training.config import RunConfig, dump_config
+from grooves.training.config import ConfigError, RunConfig, dump_config
 from grooves.training.rollout import Evaluation, completion_stats, evaluate, reward_metrics, rollout_groups
 from grooves.training.runlock import RunLock
 from grooves.training.sinks import MetricSinks
@@ -108,6 +108,10 @@ class TrainingRun:
         for task_set in task_sets:
             for warning in task_set.check():
                 self.console.print(f"[yellow]warning[/]: {escape(warning)}")
+            need = getattr(task_set.env, "prompt_budget", None)
+            if need and need > s.max_prompt_length:
+                raise ConfigError(f"sampling.max_prompt_length: {s.max_prompt_length} tokens is less than the "
+                                  f"{need} that env {task_set.env.name!r} declares its prompts need; raise it")
 
     # --- the loop --------------------------------------------------------------------
 
@@ -287,6 +291,11 @@ class TrainingRun:
                 out.append((task_set, task))
                 skipped_in_a_row = 0
                 continue
+            if not self.prompts_skipped:
+                self.console.print(f"[yellow]warning[/]: task {escape(str(task['id']))!r} has a prompt of "
+                                   f"{self._prompt_length(task_set, task)} tokens, over sampling.max_prompt_length="
+                                   f"{self.config.sampling.max_prompt_length}: skipped, and so is every such task "
+                                   f"(counted in train/prompts_skipped)")
             self.prompts_skipped += 1
             skipped_in_a_row += 1
             if skipped_in_a_row > sum(len(s.train) for s in self.sets) * 4:
