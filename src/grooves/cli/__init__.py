@@ -302,13 +302,14 @@ def demo(
 
 
 def _register_groups() -> None:
-    from grooves.cli import envs, review, rewards, rm
+    from grooves.cli import envs, review, rewards, rm, sft
 
     app.add_typer(envs.app, name="env")
     app.add_typer(rm.app, name="rm")
     app.add_typer(rewards.rubric_app, name="rubric")
     app.add_typer(rewards.judge_app, name="judge")
     review.register(app)
+    sft.register(app)
     for typer_app in [app] + [group.typer_instance for group in app.registered_groups]:
         for command in typer_app.registered_commands:
             if command.help is None and command.callback is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from grooves.policy.checkpoints import checkpoint_base_spec, is_checkpoint_name, resolve_checkpoint
+from grooves.policy.checkpoints import CheckpointError, checkpoint_base_spec, is_checkpoint_name, resolve_checkpoint
 from grooves.policy.lora import LoRA
 from grooves.policy.models import BUNDLED_DEFAULT, load_model
 from grooves.policy.tools import fallback_messages, template_supports_tools
@@ -50,12 +50,19 @@ class Policy:
         ``spec`` is a model spec (see ``grooves.policy.models``) or a checkpoint name
         ``RUN@STEP`` / ``RUN@latest``, which brings its base model and adapter. ``lora``
         adds a fresh trainable adapter (initialised from ``seed``); ``adapter`` continues
-        from an existing PEFT adapter folder instead (its own LoRA settings apply).
+        from an existing adapter instead, a PEFT folder or a checkpoint ``RUN@STEP`` (its own
+        LoRA settings apply).
         """
         if is_checkpoint_name(spec):
             checkpoint = resolve_checkpoint(spec, runs)
             adapter = adapter or checkpoint / "adapter"
             spec = checkpoint_base_spec(checkpoint)
+        elif adapter is not None and is_checkpoint_name(str(adapter)):  # e.g. an SFT run's checkpoint
+            checkpoint = resolve_checkpoint(str(adapter), runs)
+            if checkpoint_base_spec(checkpoint) != spec:
+                raise CheckpointError(f"adapter {adapter} was trained on {checkpoint_base_spec(checkpoint)!r}, "
+                                      f"not on {spec!r}")
+            adapter = checkpoint / "adapter"
         model, tokenizer = load_model(spec, dtype=dtype, seed=seed)
         model.to(device)
         if adapter is not None:
@@ -156,7 +163,8 @@ class Policy:
         if not self.has_adapter:
             raise ValueError("this policy has no adapter to save; load it with lora=LoRA(...)")
         folder = Path(folder)
-        self.model.save_pretrained(str(folder))
+        # Embeddings are never adapted; without this PEFT looks the base up on the hub to check.
+        self.model.save_pretrained(str(folder), save_embedding_layers=False)
         config_path = folder / "adapter_config.json"
         config = json.loads(config_path.read_text())
         config["base_model_name_or_path"] = self.base_spec

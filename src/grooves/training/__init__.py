@@ -3,6 +3,8 @@
 from grooves.training.api import run_config, train
 from grooves.training.config import ConfigError, OptimConfig, RunConfig, load_config
 from grooves.training.loop import Run, RunExistsError
+from grooves.training.sft import SFTConfig, sft
 from grooves.training.trainer import Trainer
 
-__all__ = ["ConfigError", "OptimConfig", "Run", "RunConfig", "RunExistsError", "Trainer", "load_config", "run_config", "train"]
+__all__ = ["ConfigError", "OptimConfig", "Run", "RunConfig", "RunExistsError", "SFTConfig", "Trainer", "load_config",
+           "run_config", "sft", "train"]

@@ -31,8 +31,9 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     spec: str = Field(BUNDLED_DEFAULT, description="Base model: 'bundled:smollm2-135m-instruct', "
                       "'tiny', a local Hugging Face folder, a hub id, or a checkpoint RUN@STEP.")
-    adapter: str | None = Field(None, description="Start from this PEFT adapter folder instead of a fresh "
-                                "LoRA (its own LoRA settings apply).")
+    adapter: str | None = Field(None, description="Start from this adapter instead of a fresh LoRA: a PEFT "
+                                "folder or a checkpoint RUN@STEP (e.g. an SFT run's); it is trained further, with "
+                                "its own LoRA settings.")
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and compute dtype. Keep float32 on CPU (bf16 matmul is very slow there).")
@@ -177,9 +178,7 @@ class RunConfig(_Section):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, value: str) -> str:
-        if not value or "/" in value or "\\" in value or "@" in value or value in {".", ".."}:
-            raise ValueError("must be a plain folder name without '/', '\\' or '@'")
-        return value
+        return plain_folder_name(value)
 
     @model_validator(mode="after")
     def _mix_or_single(self) -> RunConfig:
@@ -205,6 +204,13 @@ class RunConfig(_Section):
         return value
 
 
+def plain_folder_name(value: str) -> str:
+    """A run name: one folder under the runs root, and the RUN of ``RUN@STEP``."""
+    if not value or "/" in value or "\\" in value or "@" in value or value in {".", ".."}:
+        raise ValueError("must be a plain folder name without '/', '\\' or '@'")
+    return value
+
+
 class ConfigError(ValueError):
     """An invalid configuration; ``str()`` lists each bad field's path and what is allowed."""
 
@@ -217,14 +223,15 @@ def format_validation_error(error: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def parse_config(data: dict) -> RunConfig:
+def parse_config(data: dict, model: type[BaseModel] = RunConfig) -> Any:
+    """``data`` validated as ``model`` (a RunConfig, or another entry point's config)."""
     try:
-        return RunConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error)) from None
 
 
-def load_config(path: str | Path) -> RunConfig:
+def load_config(path: str | Path, model: type[BaseModel] = RunConfig) -> Any:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
@@ -232,10 +239,12 @@ def load_config(path: str | Path) -> RunConfig:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: not valid TOML ({error})") from None
-    return parse_config(data)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    return parse_config(data, model)
 
 
-def dump_config(config: RunConfig) -> str:
+def dump_config(config: BaseModel) -> str:
     import tomli_w
 
     return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))

@@ -1,0 +1,280 @@
+"""Supervised fine-tuning of a LoRA adapter: the warm start that lets RL reinforce a behaviour
+(a tool call) the base model never samples.
+
+The loss is the token-mean cross-entropy of the assistant turns' tokens (mask 1 in
+``sft_data.render_transcript``), averaged over every token of the optimizer step, so micro-
+batches (``optim.micro_batch_size``) and gradient accumulation give the gradient of the whole
+batch, as in RL. Each step's examples are sorted by length before they are cut into
+micro-batches (length bucketing: padding costs little CPU). A run folder is a ``grooves
+train`` run folder: ``config.toml``, ``metrics.jsonl``, TensorBoard, ``checkpoints/step-000N``
+(adapter, optimizer, random states, data position), one trainer at a time, ``--resume``,
+Ctrl-C saves; RL continues from it with ``[model] adapter = "RUN@STEP"``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from pydantic import Field, field_validator
+from rich.console import Console
+
+from grooves.policy.lora import LoRA
+from grooves.policy.logprobs import build_token_batch, completion_logprobs
+from grooves.policy.policy import Policy
+from grooves.tasks.sources import TaskStream
+from grooves.training import checkpoint as ckpt
+from grooves.training.config import ModelConfig, OptimConfig, _Section, dump_config, plain_folder_name
+from grooves.training.loop import GracefulStop, NothingToResumeError, Run, RunExistsError
+from grooves.training.runlock import RunLock
+from grooves.training.sinks import MetricSinks
+from grooves.training.store import RunStore
+from grooves.training.trainer import lr_factor
+from grooves.types import Trajectory
+
+
+class SFTDataConfig(_Section):
+    source: str = Field(description="A chat JSONL file (OpenAI messages), 'env:NAME' (the env's demonstrations "
+                        "of its training tasks) or 'run:NAME' (a finished run's trajectories).")
+    heldout: str | None = Field(None, description="A held-out chat JSONL file (default: split off `source`).")
+    heldout_fraction: float = Field(0.1, gt=0, lt=1, description="Share of `source` held out, by a hash of "
+                                    "each example's task id.")
+    min_reward: float | None = Field(None, description="With 'run:NAME': keep trajectories whose reward is at "
+                                     "least this (rejection-sampling fine-tuning).")
+    limit: int | None = Field(None, ge=1, description="Use at most this many training examples.")
+    env_options: dict = Field(default_factory=dict, description="With 'env:NAME': the env's options.")
+
+
+class SFTLogConfig(_Section):
+    save_every: int = Field(10, ge=1, description="Checkpoint every N steps (and at the end).")
+    val_every: int = Field(10, ge=1, description="Held-out loss (and env score) every N steps, at 0 and the end.")
+    val_size: int = Field(32, ge=0, description="Held-out examples in the held-out loss.")
+    tensorboard: bool = Field(True, description="Write TensorBoard events to <run>/tensorboard.")
+    wandb_project: str | None = Field(None, description="Also log to this W&B project (needs grooves[wandb]).")
+    keep_checkpoints: int = Field(0, ge=0, description="Keep only the newest N checkpoints (0 = keep all).")
+
+
+class SFTConfig(_Section):
+    """`grooves sft CONFIG.toml`: supervised fine-tuning of a LoRA adapter on transcripts."""
+
+    name: str = Field("sft", description="Run folder name under the runs root.")
+    seed: int = Field(0, description="Seeds LoRA init and the data order.")
+    steps: int = Field(50, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(8, ge=1, description="Examples per optimizer step.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoRA = Field(default_factory=LoRA)
+    data: SFTDataConfig
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(learning_rate=2e-4, micro_batch_size=4))
+    log: SFTLogConfig = Field(default_factory=SFTLogConfig)
+    heldout_tasks: int = Field(0, ge=0, description="With 'env:NAME': also roll out this many held-out env tasks "
+                               "greedily at each validation (val/env/*, val/reward/total, val/success).")
+    turn_tokens: int = Field(96, ge=1, description="New tokens per assistant turn in those rollouts.")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        return plain_folder_name(value)
+
+
+class SFTRun:
+    """One SFT run folder: examples in, checkpoints and metrics out."""
+
+    def __init__(self, config: SFTConfig, policy: Policy, train: list[Trajectory], heldout: list[Trajectory],
+                 run_dir: Path, *, resume: bool = False, console: Console | None = None, env_eval=None,
+                 resume_command: str = "grooves sft CONFIG --resume"):
+        if not train:
+            raise ValueError("SFT needs at least one training example")
+        self.config, self.policy, self.train, self.heldout = config, policy, train, heldout[: config.log.val_size]
+        self.run_dir, self.resume, self.resume_command = Path(run_dir), resume, resume_command
+        self.console = console or Console(stderr=True)
+        self.env_eval = env_eval  # step -> metrics of held-out env rollouts, or None
+        self.params = policy.trainable_parameters()
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.optim.learning_rate, betas=config.optim.betas,
+                                           weight_decay=config.optim.weight_decay)
+        self.stream = TaskStream(list(range(len(train))), seed=config.seed)
+        self.generator = torch.Generator(device=policy.device).manual_seed(config.seed)
+
+    def run(self) -> Run:
+        with RunLock(self.run_dir):
+            start = self._open()
+            step, halted = start, None
+            try:
+                if start == 0:
+                    self._log(0, self._validate())
+                with GracefulStop(self.console) as stop:
+                    for step in range(start + 1, self.config.steps + 1):
+                        metrics = self._step(step)
+                        if step % self.config.log.val_every == 0 or step == self.config.steps:
+                            metrics.update(self._validate())
+                        self._log(step, metrics)
+                        if step % self.config.log.save_every == 0 or step == self.config.steps or stop.requested:
+                            self._save(step)
+                        self.console.print(_line(step, self.config.steps, metrics), highlight=False)
+                        if stop.requested:
+                            self.console.print(f"stopped after step {step} (checkpoint saved); continue with: "
+                                               f"{self.resume_command}")
+                            halted = "interrupt"
+                            break
+            finally:
+                self.sinks.close()
+                self.store.close()
+        return Run(self.run_dir.name, self.run_dir, step, self.store.read_metrics(), halted_by=halted)
+
+    def _step(self, step: int) -> dict[str, float]:
+        start = time.perf_counter()
+        lr = self.config.optim.learning_rate * lr_factor(step - 1, self.config.optim.warmup_steps,
+                                                         self.config.steps, self.config.optim.lr_schedule)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        examples = [self.train[i] for i in self.stream.take(self.config.batch_size)]
+        self.policy.model.train()
+        try:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, tokens = self._loss(examples, backward=True)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.max_grad_norm)
+            if math.isfinite(loss) and torch.isfinite(grad_norm):
+                self.optimizer.step()
+        finally:
+            self.policy.model.eval()
+        return {"loss/sft": loss, "train/grad_norm": grad_norm.item(), "train/lr": lr, "train/tokens": float(tokens),
+                "train/step_time": time.perf_counter() - start}
+
+    def _loss(self, examples: list[Trajectory], backward: bool) -> tuple[float, int]:
+        """Token-mean NLL of the examples' trained tokens; with ``backward``, its gradient too."""
+        ordered = sorted(examples, key=lambda t: len(t.prompt_ids) + len(t.completion_ids))
+        tokens = sum(sum(t.completion_mask) for t in ordered)
+        if tokens == 0:
+            return math.nan, 0
+        total = 0.0
+        size = self.config.optim.micro_batch_size
+        for i in range(0, len(ordered), size):
+            batch = build_token_batch(ordered[i: i + size], self.policy.device)  # (B, T), similar lengths
+            with torch.set_grad_enabled(backward):
+                logp, _ = completion_logprobs(self.policy.causal_lm, batch, 1.0)
+                nll = -(logp * batch.mask).sum() / tokens
+            if backward:
+                nll.backward()
+            total += nll.item()
+        return total, tokens
+
+    def _validate(self) -> dict[str, float]:
+        metrics = {}
+        if self.heldout:
+            metrics["val/loss/sft"] = self._loss(self.heldout, backward=False)[0]
+        if self.env_eval is not None:
+            metrics.update(self.env_eval(self.policy))
+        return metrics
+
+    # --- run folder -------------------------------------------------------------------
+
+    def _open(self) -> int:
+        has_run = (self.run_dir / "metrics.jsonl").exists()
+        hint = f"resume with `{self.resume_command}`"
+        if has_run and not self.resume:
+            raise RunExistsError(f"{self.run_dir} already holds a run: {hint} to continue it, "
+                                 f"or give the new run another name")
+        if self.resume and not has_run:
+            raise NothingToResumeError(f"nothing to resume: {self.run_dir} holds no run yet")
+        self.store = RunStore(self.run_dir)
+        start = 0
+        latest = ckpt.set_aside_corrupt(self.run_dir)[0] if self.resume else None
+        if latest is not None:
+            state, saved = ckpt.load_checkpoint(latest, self.policy, self.generator)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.stream.restore(saved["data"])
+            start = saved["step"]
+            self.store.truncate_after(start)
+            self.console.print(f"[bold]grooves[/]: resuming {self.run_dir.name} after step {start}")
+        elif self.resume:
+            self.store.truncate_after(-1)
+        if start == 0:
+            ckpt.seed_everything(self.config.seed)
+            self.store.write_config(dump_config(self.config))
+        self.sinks = MetricSinks(self.run_dir, self.config.log.tensorboard, self.config.log.wandb_project,
+                                 self.run_dir.name, self.config.model_dump(mode="json"))
+        return start
+
+    def _save(self, step: int) -> None:
+        ckpt.save_checkpoint(self.run_dir, step, self.policy, {"optimizer": self.optimizer.state_dict(), "step": step},
+                             self.generator, {"data": self.stream.state(), "run": self.run_dir.name, "kind": "sft"})
+        ckpt.prune(self.run_dir, self.config.log.keep_checkpoints)
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        self.store.log_metrics(step, metrics)
+        self.sinks.log(step, metrics)
+
+
+def _line(step: int, steps: int, metrics: dict[str, float]) -> str:
+    held = f"  val loss {metrics['val/loss/sft']:.4f}" if "val/loss/sft" in metrics else ""
+    return f"step {step}/{steps}  loss {metrics['loss/sft']:.4f}{held}  {metrics['train/step_time']:.1f} s"
+
+
+def run_sft_config(config: SFTConfig, *, runs: str | Path | None = None, out: str | Path | None = None,
+                   resume: bool = False, console: Console | None = None,
+                   resume_command: str = "grooves sft CONFIG --resume") -> Run:
+    """Run (or resume) the SFT a config describes, as ``grooves sft`` does."""
+    from grooves.policy.checkpoints import runs_root
+    from grooves.training.api import load_policy
+    from grooves.training.sft_data import load_examples
+
+    policy = load_policy(config, runs)
+    d = config.data
+    train, heldout = load_examples(policy, d.source, heldout=d.heldout, heldout_fraction=d.heldout_fraction,
+                                   min_reward=d.min_reward, limit=d.limit, seed=config.seed, runs=runs,
+                                   env_options=d.env_options)
+    env_eval = None
+    if config.heldout_tasks and d.source.startswith("env:"):
+        env_eval = env_evaluator(d.source[4:], d.env_options, config.heldout_tasks, config.seed, config.turn_tokens)
+    run_dir = Path(out) if out else runs_root(runs) / config.name
+    return SFTRun(config, policy, train, heldout, run_dir, resume=resume, console=console, env_eval=env_eval,
+                  resume_command=resume_command).run()
+
+
+def env_evaluator(name: str, options: dict, n: int, seed: int, turn_tokens: int):
+    """``evaluate(policy) -> metrics``: greedy rollouts of ``n`` held-out tasks of an env, scored by it."""
+    from grooves.envs import load_env
+    from grooves.envs.rollout import env_metrics
+    from grooves.policy.sampler import Sampling
+    from grooves.rewards.compose import EnvScore, Reward
+    from grooves.training.rollout import evaluate
+
+    env = load_env(name, **options)
+    tasks = env.tasks("heldout", n, seed=seed)
+    reward = Reward([EnvScore(key, weight) for key, weight in env.weights.items()])
+    sampling = Sampling(temperature=0.0, max_new_tokens=turn_tokens, seed=seed)
+
+    def run(policy: Policy) -> dict[str, float]:
+        result = evaluate(policy, tasks, [env.prompt(t) for t in tasks], reward, sampling, 0, env)
+        trajectories = [g.trajectories[0] for g in result.groups]
+        solved = [env.solved(t.metadata["env_scores"]) for t in trajectories]
+        return {**result.metrics, **env_metrics(result.groups, "val/env"), "val/success": sum(solved) / len(solved)}
+
+    return run
+
+
+def sft(policy: Policy, data: str | list[dict], *, steps: int = 50, batch_size: int = 8, name: str = "sft",
+        runs: str | Path | None = None, resume: bool = False, heldout: list[dict] | None = None,
+        config: SFTConfig | dict | None = None) -> Run:
+    """Fine-tune ``policy``'s adapter on transcripts: a source (``"chats.jsonl"``, ``"env:helpdesk"``,
+    ``"run:NAME"``) or a list of ``{"messages": [...], "tools": [...]}``. Other settings go in
+    ``config`` (an ``SFTConfig`` or a dict shaped like its TOML)."""
+    from grooves.policy.checkpoints import runs_root
+    from grooves.training.config import parse_config
+    from grooves.training.sft_data import load_examples, render_transcript
+
+    source = data if isinstance(data, str) else "<list from Python>"
+    base = config.model_dump() if isinstance(config, SFTConfig) else dict(config or {})
+    base.update(name=name, steps=steps, batch_size=batch_size, data={**base.get("data", {}), "source": source},
+                model={**base.get("model", {}), "spec": policy.base_spec, "device": str(policy.device)})
+    config = parse_config(base, SFTConfig)
+    if isinstance(data, str):
+        d = config.data
+        train, held = load_examples(policy, data, heldout=d.heldout, heldout_fraction=d.heldout_fraction,
+                                    min_reward=d.min_reward, limit=d.limit, seed=config.seed, runs=runs)
+    else:
+        train = [render_transcript(policy, row["messages"], row.get("tools")) for row in data]
+        held = [render_transcript(policy, row["messages"], row.get("tools")) for row in heldout or []]
+    return SFTRun(config, policy, train, held, runs_root(runs) / config.name, resume=resume,
+                  resume_command=f"gr.sft(..., name={config.name!r}, resume=True)").run()
