@@ -82,12 +82,14 @@ def test_stop_policy_and_per_detector_override(tmp_path):
     assert (run.step, run.halted_by) == (5, None) and alerts(run.dir)[0] == (1, "critical", "warn")
 
 
-def test_cli_pause_exits_3_with_the_resume_command_and_bad_acks_exit_2(tmp_path):
+def test_cli_pause_exits_3_with_the_resume_command_and_bad_acks_exit_2(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # the resume command's paths on one panel line
     path = planted_config(tmp_path)
     result = CliRunner().invoke(app, ["train", str(path), "--out", str(tmp_path / "run"), "--quiet"])
     assert result.exit_code == 3, result.output
     text = " ".join(result.output.replace("│", " ").split())  # the panel wraps lines
-    assert "--resume --ack judge_directed" in text and "grooves review run@1" in text
+    assert f"--resume --out {tmp_path / 'run'} " in text and "--ack judge_directed" in text
+    assert "grooves review run@1" in text
     bad = CliRunner().invoke(app, ["train", str(path), "--out", str(tmp_path / "run"), "--resume", "--ack", "vibes"])
     assert bad.exit_code == 2 and "not a detector" in bad.output
     no_resume = CliRunner().invoke(app, ["train", str(path), "--ack", "collapse"])
