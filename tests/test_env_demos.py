@@ -91,3 +91,25 @@ def test_a_demo_record_is_an_openai_chat(helpdesk):
         if message["role"] == "tool":
             assert message["tool_call_id"].startswith("call_")
     json.dumps(record)  # one JSON line
+
+
+def test_demos_collected_from_a_served_model_keep_only_good_enough_rollouts():
+    import asyncio
+
+    from grooves.envs.replay import collect, endpoint_chat
+    from grooves.serve.app import ServerThread, build_server, create_app
+    from test_env_contract import Shop  # a small env: its prompt fits the tiny model's context
+
+    env = Shop(max_turns=2)
+    tasks = env.tasks() * 2
+    with ServerThread(create_app(build_server("tiny"))) as server:
+        chat = endpoint_chat(server.base_url, "tiny", max_tokens=12)
+        kept, counts = collect(env, tasks, chat, min_score=0.0)
+        assert counts == {"kept": 2, "below_min_score": 0}
+        first = kept[0].messages[1]
+        assert first["role"] == "assistant"
+        again = asyncio.run(endpoint_chat(server.base_url, "tiny", max_tokens=12)(env.prompt(tasks[0]),
+                                                                                   env.tool_schemas()))
+        assert first["raw"] == again  # what the served model said
+        strict, counts = collect(env, tasks, chat, min_score=1.0)  # a random tiny model moves nobody
+        assert strict == [] and counts == {"kept": 0, "below_min_score": 2}
