@@ -310,10 +310,6 @@ class TrainingRun:
         return self._prompt_lengths[key]
 
     @property
-    def resume_hint(self) -> str:
-        return f"resume with `{self.resume_command}`"
-
-    @property
     def _has_heldout(self) -> bool:
         return any(self.heldout.values())
 
@@ -341,18 +337,11 @@ class TrainingRun:
 
     def _open(self) -> int:
         """Create or reopen the run folder; return the step to continue after."""
-        has_run = (self.run_dir / "metrics.jsonl").exists() or ckpt.latest_checkpoint(self.run_dir)
-        if has_run and not self.resume:
-            raise RunExistsError(f"{self.run_dir} already holds a run: {self.resume_hint} to continue it, "
-                                 f"or give the new run another name")
-        if self.resume and not has_run:
-            raise NothingToResumeError(f"nothing to resume: {self.run_dir} holds no run yet "
-                                       f"(start it without resuming)")
+        latest = resume_point(self.run_dir, self.resume, self.resume_command, self.console)
         self.store = RunStore(self.run_dir)
         self.prompts_skipped = 0
         self.failed_steps = 0
         start = 0
-        latest = self._resume_point() if self.resume else None
         if latest is not None:
             trainer_state, state = ckpt.load_checkpoint(latest, self.policy, self.generator)
             self.trainer.load_state_dict(trainer_state)
@@ -376,17 +365,6 @@ class TrainingRun:
         self.sinks = MetricSinks(self.run_dir, self.config.log.tensorboard, self.config.log.wandb_project,
                                  self.run_dir.name, self.config.model_dump(mode="json"))
         return start
-
-    def _resume_point(self) -> Path | None:
-        """The newest checkpoint that verifies; damaged newer ones are set aside and named."""
-        ckpt.clean_partial(self.run_dir)
-        latest, corrupt = ckpt.set_aside_corrupt(self.run_dir)
-        for step, problem in corrupt:
-            self.console.print(f"[yellow]checkpoint step {step} is corrupt[/] ({escape(problem)}); set aside as "
-                               f"checkpoints/corrupt-{ckpt.step_dirname(step)}")
-        if corrupt and latest is not None:
-            self.console.print(f"resuming from the newest complete checkpoint, {latest.name}")
-        return latest
 
     def _save(self, step: int) -> None:
         ckpt.save_checkpoint(self.run_dir, step, self.policy, self.trainer.state_dict(), self.generator,
@@ -421,6 +399,27 @@ class TrainingRun:
         return Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                         TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(), TextColumn("left"),
                         TimeRemainingColumn(), console=self.console, disable=not self.show_progress)
+
+
+def resume_point(run_dir: Path, resume: bool, resume_command: str, console: Console) -> Path | None:
+    """Check the run folder against ``resume`` and return the checkpoint to continue from: the
+    newest one that verifies (damaged newer ones are set aside and named), or None."""
+    has_run = (run_dir / "metrics.jsonl").exists() or ckpt.latest_checkpoint(run_dir)
+    if has_run and not resume:
+        raise RunExistsError(f"{run_dir} already holds a run: resume with `{resume_command}` to continue it, "
+                             f"or give the new run another name")
+    if resume and not has_run:
+        raise NothingToResumeError(f"nothing to resume: {run_dir} holds no run yet (start it without resuming)")
+    if not resume:
+        return None
+    ckpt.clean_partial(run_dir)
+    latest, corrupt = ckpt.set_aside_corrupt(run_dir)
+    for step, problem in corrupt:
+        console.print(f"[yellow]checkpoint step {step} is corrupt[/] ({escape(problem)}); set aside as "
+                      f"checkpoints/corrupt-{ckpt.step_dirname(step)}")
+    if corrupt and latest is not None:
+        console.print(f"resuming from the newest complete checkpoint, {latest.name}")
+    return latest
 
 
 StopRule = Callable[[int, dict[str, float], dict[int, Evaluation]], "str | None"]

@@ -27,7 +27,7 @@ from grooves.policy.policy import Policy
 from grooves.tasks.sources import TaskStream
 from grooves.training import checkpoint as ckpt
 from grooves.training.config import ModelConfig, OptimConfig, _Section, dump_config, plain_folder_name
-from grooves.training.loop import GracefulStop, NothingToResumeError, Run, RunExistsError
+from grooves.training.loop import GracefulStop, Run, resume_point
 from grooves.training.runlock import RunLock
 from grooves.training.sinks import MetricSinks
 from grooves.training.store import RunStore
@@ -170,16 +170,9 @@ class SFTRun:
     # --- run folder -------------------------------------------------------------------
 
     def _open(self) -> int:
-        has_run = (self.run_dir / "metrics.jsonl").exists()
-        hint = f"resume with `{self.resume_command}`"
-        if has_run and not self.resume:
-            raise RunExistsError(f"{self.run_dir} already holds a run: {hint} to continue it, "
-                                 f"or give the new run another name")
-        if self.resume and not has_run:
-            raise NothingToResumeError(f"nothing to resume: {self.run_dir} holds no run yet")
+        latest = resume_point(self.run_dir, self.resume, self.resume_command, self.console)
         self.store = RunStore(self.run_dir)
         start = 0
-        latest = ckpt.set_aside_corrupt(self.run_dir)[0] if self.resume else None
         if latest is not None:
             state, saved = ckpt.load_checkpoint(latest, self.policy, self.generator)
             self.optimizer.load_state_dict(state["optimizer"])
