@@ -46,7 +46,7 @@ def scripted(policy, *scripts):
     script is spent (its last turn answers), so the live scripts line up with the prompts."""
     position = [0] * len(scripts)
 
-    def generate(prompts, budgets):
+    def generate(prompts, budgets, pasts=None):
         live = [k for k, script in enumerate(scripts) if position[k] < len(script)]
         assert len(live) == len(prompts)
         turns = []

@@ -38,7 +38,7 @@ def scripted(policy, turns: list[str]):
     """A ``generate`` for one rollout that plays ``turns`` in order."""
     remaining = list(turns)
 
-    def generate(prompts, budgets):
+    def generate(prompts, budgets, pasts=None):
         assert len(prompts) == 1
         text = remaining.pop(0)
         ids = policy.tokenizer.encode(text, add_special_tokens=False) + [policy.end_of_turn_id]

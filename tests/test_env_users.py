@@ -77,3 +77,38 @@ def test_an_llm_user_on_a_served_model_sees_the_conversation_from_its_side():
         direct = OpenAI(base_url=server.base_url, api_key="none").chat.completions.create(
             model="tiny", messages=flipped, temperature=1.0, max_tokens=8, seed=7)
         assert said[1] == direct.choices[0].message.content.strip()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_reusing_the_kv_cache_across_turns_gives_the_same_tokens_and_logprobs(temperature):
+    import torch
+
+    from grooves.envs.rollout import env_groups, sampler_generate
+
+    policy = Policy.load("tiny")
+    env = Counter(max_turns=4)
+    env.user = ScriptedUser()
+    trajectories = {}
+    for reuse in (False, True):
+        generator = torch.Generator().manual_seed(3)
+        generate = sampler_generate(policy, temperature, generator=generator, reuse_kv=reuse)
+        groups = env_groups(policy, env, env.tasks() * 2, 2, generate, 12)  # 2 tasks x 2 rollouts
+        trajectories[reuse] = [t for g in groups for t in g.trajectories]
+    for plain, reused in zip(trajectories[False], trajectories[True]):
+        assert plain.metadata["state"]["turns"] == 4  # the user kept it going: 3 turns on a cache
+        assert reused.completion_ids == plain.completion_ids and reused.completion_mask == plain.completion_mask
+        assert reused.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
+
+
+def test_a_turn_keeps_its_kv_for_the_next_and_drops_it_when_done():
+    from grooves.envs.rollout import sampler_generate
+
+    policy = Policy.load("tiny")
+    env = Counter(max_turns=2)
+    env.user = ScriptedUser()
+    state = start(policy, env, env.tasks()[0])
+    generate = sampler_generate(policy, 0.0)
+    advance(policy, env, [state], generate, 6)
+    assert state.past.length == len(state.tokens.prompt_ids) + 6 - 1  # the prompt and the turn but its last token
+    advance(policy, env, [state], generate, 6)
+    assert env.is_done(state) and state.past is None

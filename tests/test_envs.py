@@ -100,7 +100,7 @@ def play(policy, env, script, task=None, seed=0):
 def fixed(policy, text, finish="stop"):
     """``generate`` that writes ``text`` for every rollout (the tiny tokenizer is byte-level);
     over the budget it is cut there, as a sampler would."""
-    def generate(prompts, budgets):
+    def generate(prompts, budgets, pasts=None):
         ids = policy.tokenizer.encode(text, add_special_tokens=False)
         if finish == "stop":
             ids = ids + [policy.end_of_turn_id]
@@ -196,7 +196,7 @@ def test_a_group_decodes_as_one_batch_and_scores_each_rollout(policy):
     env = Notes()
     batches, first = [], []
 
-    def generate(prompts, budgets):
+    def generate(prompts, budgets, pasts=None):
         batches.append(len(prompts))
         first.append(max(len(p) for p in prompts))
         texts = [call("add_note", owner="a", body="hi") if len(p) < first[0] + 10 else "done" for p in prompts]

@@ -28,7 +28,7 @@ def scripted(policy, turns):
     """``generate`` that writes the next scripted turn of each rollout, as a sampler would (text + EOS)."""
     position = {}
 
-    def generate(prompts, budgets):
+    def generate(prompts, budgets, pasts=None):
         out = []
         for prompt in prompts:
             k = position.get(len(prompts), 0)

@@ -92,6 +92,9 @@ class State:
     done: bool = False
     answer: str | None = None
     finish: str = ""  # "answer", "max_turns", "max_tokens" once done
+    # The model's KV cache of the conversation so far, kept between turns by the rollout; never
+    # in a snapshot (a restored rollout runs its conversation through the model once more).
+    past: Any = field(default=None, repr=False, compare=False)
 
 
 class BadArguments(ValueError):

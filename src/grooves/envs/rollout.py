@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from grooves.envs.base import Env, State
-from grooves.policy.decoding import Row
+from grooves.policy.decoding import Past, Row
 from grooves.types import Group, Task, Trajectory
 
 
@@ -41,20 +41,26 @@ class Turn:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" or "length"
+    past: Past | None = None  # the KV of the prompt and this turn's tokens but the last (sampler_generate)
 
 
-Generate = Callable[[list[list[int]], list[int]], list[Turn]]
-"""``generate(prompts_as_ids, token_budgets) -> turns``: the policy side of a rollout."""
+Generate = Callable[[list[list[int]], list[int], list["Past | None"]], list[Turn]]
+"""``generate(prompts_as_ids, token_budgets, pasts) -> turns``: the policy side of a rollout;
+``pasts[i]`` is the KV of a prefix of ``prompts[i]`` from rollout i's previous turn, or None."""
 
 
 def sampler_generate(policy, temperature: float = 1.0, top_p: float = 1.0,
-                     generator: torch.Generator | None = None) -> Generate:
-    """The policy's batching sampler as a ``Generate`` (every row one rollout's next turn)."""
+                     generator: torch.Generator | None = None, reuse_kv: bool = True) -> Generate:
+    """The policy's batching sampler as a ``Generate`` (every row one rollout's next turn). With
+    ``reuse_kv`` each turn keeps its KV cache for the rollout's next turn, so only the env's reply
+    and the new turn go through the model, not the whole conversation again."""
     sampler = policy.sampler()
 
-    def generate(prompts: list[list[int]], budgets: list[int]) -> list[Turn]:
-        rows = [Row(p, temperature, top_p, b, (), generator) for p, b in zip(prompts, budgets)]
-        return [Turn(o.text, o.token_ids, o.logprobs, o.finish_reason) for o in sampler.decode_rows(rows)]
+    def generate(prompts: list[list[int]], budgets: list[int], pasts: list[Past | None] | None = None) -> list[Turn]:
+        pasts = pasts if reuse_kv and pasts is not None else [None] * len(prompts)
+        rows = [Row(p, temperature, top_p, b, (), generator, past=past, keep_past=reuse_kv)
+                for p, b, past in zip(prompts, budgets, pasts)]
+        return [Turn(o.text, o.token_ids, o.logprobs, o.finish_reason, o.past) for o in sampler.decode_rows(rows)]
 
     return generate
 
@@ -72,10 +78,11 @@ def advance(policy, env: Env, states: list[State], generate: Generate, turn_toke
     if not active:
         return
     budgets = [max(1, min(turn_tokens, env.max_tokens - s.tokens.generated)) for s in active]
-    turns = generate([s.tokens.prompt_ids + s.tokens.ids for s in active], budgets)
+    turns = generate([s.tokens.prompt_ids + s.tokens.ids for s in active], budgets, [s.past for s in active])
     answering = []
     for state, turn in zip(active, turns):
         state.tokens.add(turn.token_ids, turn.logprobs, generated=True)
+        state.past = turn.past
         if turn.finish_reason == "length":  # close the turn as the template would
             state.tokens.add([policy.end_of_turn_id], None, generated=False)
             if state.tokens.generated >= env.max_tokens:  # cut by the rollout's budget: no answer to read
@@ -94,6 +101,9 @@ def advance(policy, env: Env, states: list[State], generate: Generate, turn_toke
             env.finish(state, None, "max_turns")
         else:
             state.tokens.add(policy.continuation_ids(reply), None, generated=False)
+    for state in active:
+        if env.is_done(state):
+            state.past = None  # a finished rollout's cache is memory for nothing
 
 
 async def _respond_all(env: Env, states: list[State], texts: list[str]):

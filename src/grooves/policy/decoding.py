@@ -51,6 +51,21 @@ class Row:
     constraint: Constraint | None = None
     top_logprobs: int = 0
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
+    past: Past | None = None  # the KV of a prefix of prompt_ids, from an earlier decode (keep_past)
+    keep_past: bool = False  # return the row's KV (prompt and tokens but the last) as RowOutput.past
+
+
+@dataclass
+class Past:
+    """One row's KV cache: per layer ``(keys, values)`` of shape ``(heads, length, head_dim)``, for the
+    first ``length`` tokens of a sequence. A multi-turn rollout keeps it between its turns, so a
+    turn's prompt (the whole conversation) is not run through the model again."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].shape[1]
 
 
 @dataclass
@@ -60,6 +75,7 @@ class RowOutput:
     logprobs: list[float]
     finish_reason: str  # "stop" (stop token, stop string or finished constraint) or "length"
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    past: Past | None = None  # with Row.keep_past: the KV of prompt_ids + token_ids[:-1]
 
 
 TokenCallback = Callable[[int, int, float], None]  # (row index, token id, logprob) as each token is chosen
@@ -97,6 +113,8 @@ def _decode(policy, rows: list[Row], on_token: TokenCallback | None) -> list[Row
                 out.finish_reason = "stop"
             elif len(out.token_ids) < row.max_new_tokens:
                 keep.append(position)
+            if row.keep_past and position not in keep:  # leaving the batch: take its KV with it
+                out.past = _row_past(cache, position, attention[position])
         if not keep:
             break
         next_tokens = torch.tensor([chosen[p] for p in keep], device=policy.device)
@@ -223,10 +241,19 @@ class _Model:
         return self.policy.causal_lm(**kwargs)
 
 
+def _row_past(cache, position: int, attention: torch.Tensor) -> Past:
+    """Row ``position``'s KV without its padding columns (a copy: the batch cache moves on)."""
+    columns = attention.nonzero().squeeze(1)
+    return Past([(layer.keys[position][:, columns].clone(), layer.values[position][:, columns].clone())
+                 for layer in cache.layers])
+
+
 def _prefill(model: _Model, device, rows: list[Row]):
     """Run each distinct (prompt, adapter) once, left-padded, then give every row its own cache copy."""
     from transformers import DynamicCache
 
+    if any(r.past is not None for r in rows):
+        return _prefill_past(model, device, rows)
     unique: dict[tuple, int] = {}
     row_source = [unique.setdefault((tuple(r.prompt_ids), r.adapter), len(unique)) for r in rows]
     prompts = [list(key[0]) for key in unique]
@@ -248,6 +275,45 @@ def _prefill(model: _Model, device, rows: list[Row]):
     cache.batch_select_indices(index)  # (U, ...) -> (N, ...): n samples of a prompt share its prefill
     lengths = torch.tensor([len(p) for p in prompts], device=device)[index]
     return cache, logits[index], attention[index], lengths  # next position of each row = its prompt length
+
+
+def _prefill_past(model: _Model, device, rows: list[Row]):
+    """Prefill rows that bring the KV of their prompt's prefix: only the rest of each prompt runs.
+
+    The batch cache holds each row's past right-aligned after left padding, then the prompts'
+    remaining tokens, left-padded too; the attention mask hides both paddings and the position
+    ids continue each row's own sequence, so every row sees exactly its own tokens in order.
+    """
+    from transformers import DynamicCache
+
+    cached = [r.past.length if r.past is not None else 0 for r in rows]
+    rests = [r.prompt_ids[c:] for r, c in zip(rows, cached)]
+    if any(not rest for rest in rests):
+        raise ValueError("a row's past covers its whole prompt: the prompt must go on after it")
+    width_past, width = max(cached), max(len(rest) for rest in rests)
+    first = next(r.past for r in rows if r.past is not None)
+    layers = []
+    for index, (keys, values) in enumerate(first.layers):
+        shape = (len(rows), keys.shape[0], width_past, keys.shape[2])
+        k, v = keys.new_zeros(shape), values.new_zeros(shape)
+        for i, row in enumerate(rows):
+            if row.past is not None:
+                k[i, :, width_past - cached[i]:] = row.past.layers[index][0]
+                v[i, :, width_past - cached[i]:] = row.past.layers[index][1]
+        layers.append((k, v))
+    cache = DynamicCache(layers, config=model.policy.causal_lm.config)
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    attention = torch.zeros(len(rows), width_past + width, dtype=torch.long, device=device)
+    positions = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    for i, rest in enumerate(rests):
+        ids[i, width - len(rest):] = torch.tensor(rest, device=device)
+        attention[i, width_past - cached[i]: width_past] = 1
+        attention[i, width_past + width - len(rest):] = 1
+        positions[i, width - len(rest):] = torch.arange(cached[i], cached[i] + len(rest), device=device)
+    logits = model(list(range(len(rows))), input_ids=ids, attention_mask=attention, position_ids=positions,
+                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (N, V)
+    lengths = torch.tensor([len(r.prompt_ids) for r in rows], device=device)
+    return cache, logits, attention, lengths
 
 
 def pick_tokens(logits: torch.Tensor, rows: list[Row], remaining: list[int]) -> tuple[list[int], list[float], list]:
