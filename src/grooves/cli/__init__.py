@@ -33,14 +33,16 @@ def train(
                                          "checkpoint.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Run folder (default: RUNS/<name>).")] = None,
     runs: RunsOption = None,
-    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress (bar or lines).")] = False,
     ack: Annotated[list[str] | None, typer.Option("--ack", help="With --resume: accept the alerts of this "
                                                   "detector (e.g. collapse); they only warn from now on. "
                                                   "Repeatable.")] = None,
 ) -> None:
     """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder.
 
-    Exit code 3 when a reward-hacking alert paused or stopped the run (the alerts section of the config).
+    Progress goes to stdout: on a terminal a bar with the phase and the time left; to a file
+    or a pipe one line per step. Exit code 3 when a reward-hacking alert paused or stopped
+    the run (the alerts section of the config).
     """
     from grooves.training.config import ConfigError, load_config
 
@@ -65,7 +67,7 @@ def train(
         raise _fail(f"--ack {', '.join(unknown)}: not a detector; allowed: {', '.join(d.name for d in DETECTORS)}")
     try:
         run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet, acknowledge=tuple(ack or ()),
-                         resume_command=f"grooves train {config} --resume")
+                         resume_command=f"grooves train {config} --resume", console=out)
     except _user_errors() as error:
         raise _fail(str(error)) from None
     last = run.metrics[-1] if run.metrics else {}
@@ -106,7 +108,7 @@ def probe(
         raise _fail(f"invalid config {config}:\n{error}") from None
     try:
         run = run_config(cfg, runs=runs, resume=resume, acknowledge=tuple(ack or ()), stop_rule=heldout_rose(),
-                         resume_command=f"grooves probe {config} --resume")
+                         resume_command=f"grooves probe {config} --resume", console=out)
     except _user_errors() as error:
         raise _fail(str(error)) from None
     why = run.halt_reason or f"the budget of {cfg.steps} steps is spent"
