@@ -106,3 +106,18 @@ def test_train_to_a_file_prints_one_line_per_step_matching_metrics(tmp_path):
         assert float(match[5]) > 0
         assert (match[6] is not None) == (step > 1)  # the ETA appears from the second step
     assert steps[-1].endswith("eta 0s")
+
+
+def test_the_demo_shows_its_progress_on_the_console_it_is_given(tmp_path, monkeypatch):
+    import grooves.demo as demo
+
+    config = tiny_config(tmp_path, steps=2)
+    monkeypatch.setattr(demo, "demo_config_path", lambda: config)  # the demo's wiring on the tiny model
+    log = io.StringIO()
+    result = demo.run_demo(runs=tmp_path / "runs", console=Console(file=log, width=60))
+    lines = log.getvalue().splitlines()
+    assert lines[:2] == ["loading: model tiny", "validating: 4 held-out tasks (step 0)"]
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split("  ")[:2] for line in steps] == [
+        ["step 1/2", f"reward {result.run.metrics[1]['reward/total']:.3f}"],
+        ["step 2/2", f"reward {result.run.metrics[2]['reward/total']:.3f}"]]

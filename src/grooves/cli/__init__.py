@@ -247,11 +247,14 @@ def demo(
     steps: Annotated[int | None, typer.Option(help="Training steps (default: the demo config's).")] = None,
     runs: RunsOption = None,
 ) -> None:
-    """RL-train the bundled model to write titles; print held-out reward before and after."""
+    """RL-train the bundled model to write titles; print held-out reward before and after.
+
+    Progress goes to stdout with the report, so `grooves demo > log` logs one line per step.
+    """
     from grooves.demo import print_report, run_demo
 
     try:
-        result = run_demo(steps=steps, runs=runs, console=err)
+        result = run_demo(steps=steps, runs=runs, console=out)
     except _user_errors() as error:
         raise _fail(str(error)) from None
     print_report(result, out)
