@@ -121,3 +121,12 @@ def test_the_demo_shows_its_progress_on_the_console_it_is_given(tmp_path, monkey
     assert [line.split("  ")[:2] for line in steps] == [
         ["step 1/2", f"reward {result.run.metrics[1]['reward/total']:.3f}"],
         ["step 2/2", f"reward {result.run.metrics[2]['reward/total']:.3f}"]]
+
+
+def test_sample_says_what_it_is_doing_on_stderr_and_keeps_stdout_for_completions():
+    result = CliRunner().invoke(app, ["sample", "tiny", "hi", "-n", "2", "--max-tokens", "4", "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == ["loading: model tiny", "generating: 2 completions of at most 4 new tokens"]
+    assert "loading" not in result.stdout and result.stdout.count("tokens)") == 2
+    quiet = CliRunner().invoke(app, ["sample", "tiny", "hi", "--max-tokens", "4", "--seed", "1", "--quiet"])
+    assert quiet.exit_code == 0 and quiet.stderr == ""

@@ -132,16 +132,24 @@ def sample(
     system: Annotated[str | None, typer.Option(help="System message.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
     runs: RunsOption = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress lines on stderr.")] = False,
 ) -> None:
-    """Generate completions of PROMPT with a base model or a checkpoint."""
-    from grooves.policy import Policy, Sampling
+    """Generate completions of PROMPT with a base model or a checkpoint.
 
+    The completions go to stdout; what it is doing (loading, generating) goes to stderr.
+    """
+    from grooves.policy import Policy, Sampling
+    from grooves.progress import Reporter
+
+    progress = Reporter(err, enabled=not quiet)
     try:
+        progress.phase("loading", f"model {model}")
         policy = Policy.load(model, runs=runs)
         sampling = Sampling(temperature=temperature, top_p=top_p or 1.0, max_new_tokens=max_tokens, seed=seed)
     except (*_user_errors(), ValueError) as error:
         raise _fail(str(error)) from None
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    progress.phase("generating", f"{n} completion{'s' if n > 1 else ''} of at most {max_tokens} new tokens")
     for i, completion in enumerate(policy.sampler().generate([messages], n=n, sampling=sampling)[0]):
         if n > 1:
             out.print(f"[dim]--- {i + 1} ({completion.finish_reason}, {len(completion.token_ids)} tokens)[/]")
