@@ -130,3 +130,17 @@ def test_sample_says_what_it_is_doing_on_stderr_and_keeps_stdout_for_completions
     assert "loading" not in result.stdout and result.stdout.count("tokens)") == 2
     quiet = CliRunner().invoke(app, ["sample", "tiny", "hi", "--max-tokens", "4", "--seed", "1", "--quiet"])
     assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
+def test_rm_train_logs_its_phases_and_the_feature_count(tmp_path):
+    data = tmp_path / "d.csv"
+    data.write_text("text,score\n" + "".join(f"text number {i},{i % 7}\n" for i in range(100)))
+    result = CliRunner().invoke(app, ["rm", "train", str(data), "--text-col", "text", "--target-col", "score",
+                                      "--backbone", "tiny", "--batch-size", "16", "--out", str(tmp_path / "rm")])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ["loading: backbone tiny", "features: 100 texts, 16 per batch"]
+    # Seven batches take well under the 10 s between log lines: the first and the last are shown.
+    assert re.fullmatch(r"texts 16/100  \d+\.\d s", lines[2]) and re.fullmatch(r"texts 100/100  \d+\.\d s  eta 0s",
+                                                                                lines[3])
+    assert lines[4] == "fitting: ridge head" and lines[5].startswith("held-out pearson")
