@@ -55,8 +55,9 @@ def test_a_resumed_count_a_throttled_log_and_quiet():
         for done in range(40, 101, 20):  # batches of 20 texts, 2 s each
             clock.now += 2.0
             reporter.advance(done)
-    # At most one line per 3 s, and always the last; the ETA counts only what is left after a resume.
-    assert log.getvalue().splitlines() == ["texts 40/100  2.0 s", "texts 80/100  2.0 s  eta 2s",
+    # At most one line per 3 s, and always the last, each with the seconds since the line before;
+    # the ETA counts only what is left after a resume.
+    assert log.getvalue().splitlines() == ["texts 40/100  2.0 s", "texts 80/100  4.0 s  eta 2s",
                                            "texts 100/100  2.0 s  eta 0s"]
     quiet, log, clock = plain_reporter(enabled=False)
     quiet.phase("loading", "model tiny")

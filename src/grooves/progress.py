@@ -63,7 +63,7 @@ class _Count:
     last: float = 0.0  # clock at the last advance (or the start)
     seconds: float | None = None  # how long the last step took
     first: tuple[int, float] | None = None  # (done, clock) after the session's first step
-    printed: float = float("-inf")
+    printed: float = 0.0  # clock at the last line in a log (or the start)
     values: dict[str, str] = field(default_factory=dict)
 
 
@@ -96,7 +96,7 @@ class Reporter:
         """Count steps ``done + 1 .. total`` (``done``: already finished, e.g. before a resume).
         ``every``: in a log, at most one line per this many seconds (and always the last)."""
         now = self.clock()
-        self._count = _Count(total, unit, done, now, every, last=now)
+        self._count = _Count(total, unit, done, now, every, last=now, printed=now)
         if self.enabled and self.live:
             # The timing comes before the phase and values, so a narrow terminal cuts those first.
             self._bar = Progress(_Callback(self.counter), BarColumn(bar_width=20), _Callback(self.timing),
@@ -118,13 +118,14 @@ class Reporter:
         now = self.clock()
         count.seconds, count.last, count.done = now - count.last, now, done
         count.values = dict(values or {})
-        if count.first is None:
+        first = count.first is None
+        if first:
             count.first = (done, now)
         if self._bar is not None:
             self._bar.update(self._bar.task_ids[0], completed=done)
-        elif self.enabled and (now - count.printed >= count.every or done == count.total):
+        elif self.enabled and (first or done == count.total or now - count.printed >= count.every):
+            self.print(self.step_line(now - count.printed))
             count.printed = now
-            self.print(self.step_line())
 
     def print(self, text: str) -> None:
         """A plain line, written (and flushed) at once; above the bar while one is drawn."""
@@ -146,12 +147,11 @@ class Reporter:
             return ""
         return f"{count.unit} {count.done}/{count.total}" if count.total is not None else f"{count.unit} {count.done}"
 
-    def step_line(self) -> str:
-        """The log's line for the last step: ``step 3/30  reward 0.412  9.8 s  eta 4m12s``."""
+    def step_line(self, seconds: float) -> str:
+        """The log's line for the last step: ``step 3/30  reward 0.412  9.8 s  eta 4m12s``, where
+        ``seconds`` is the time since the previous line (one step unless lines are thinned out)."""
         count = self._count
-        parts = [self.counter(), *(f"{name} {value}" for name, value in count.values.items())]
-        if count.seconds is not None:
-            parts.append(f"{count.seconds:.1f} s")
+        parts = [self.counter(), *(f"{name} {value}" for name, value in count.values.items()), f"{seconds:.1f} s"]
         eta = self.eta()
         if eta is not None:
             parts.append(f"eta {duration(eta)}")
