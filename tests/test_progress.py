@@ -55,6 +55,7 @@ def test_a_resumed_count_a_throttled_log_and_quiet():
         for done in range(40, 101, 20):  # batches of 20 texts, 2 s each
             clock.now += 2.0
             reporter.advance(done)
+        assert reporter.timing() == "spent 8s  eta 0s  2.0 s/batch"  # 20 texts an advance: not 2 s a text
     # At most one line per 3 s, and always the last, each with the seconds since the line before;
     # the ETA counts only what is left after a resume.
     assert log.getvalue().splitlines() == ["texts 40/100  2.0 s", "texts 80/100  4.0 s  eta 2s",

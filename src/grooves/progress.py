@@ -61,7 +61,8 @@ class _Count:
     started: float
     every: float
     last: float = 0.0  # clock at the last advance (or the start)
-    seconds: float | None = None  # how long the last step took
+    seconds: float | None = None  # how long the last advance took
+    stride: int = 1  # how many units it covered (a batch of texts covers many)
     first: tuple[int, float] | None = None  # (done, clock) after the session's first step
     printed: float = 0.0  # clock at the last line in a log (or the start)
     values: dict[str, str] = field(default_factory=dict)
@@ -116,7 +117,7 @@ class Reporter:
         """Step ``done`` finished; ``values`` (name -> text, e.g. reward) describe it."""
         count = self._count
         now = self.clock()
-        count.seconds, count.last, count.done = now - count.last, now, done
+        count.seconds, count.stride, count.last, count.done = now - count.last, done - count.done, now, done
         count.values = dict(values or {})
         first = count.first is None
         if first:
@@ -166,7 +167,7 @@ class Reporter:
         if eta is not None:
             parts.append(f"eta {duration(max(0.0, eta - (now - count.last)))}")
         if count.seconds is not None:
-            parts.append(f"{count.seconds:.1f} s/{count.unit}")
+            parts.append(f"{count.seconds:.1f} s/{count.unit if count.stride == 1 else 'batch'}")
         return "  ".join(parts)
 
     def status(self) -> str:
