@@ -24,10 +24,12 @@ import statistics
 import time
 
 import torch
+from rich.console import Console
 
 from grooves.envs import load_env
 from grooves.envs.rollout import env_groups, sampler_generate
 from grooves.policy.tools import tool_call_text
+from grooves.progress import Reporter
 
 BASE = "bundled:smollm2-135m-instruct"
 
@@ -59,33 +61,43 @@ def bundled(env, tasks, temperature: float, turn_tokens: int) -> dict:
     return summarise(env, [g.trajectories[0] for g in groups], time.perf_counter() - start)
 
 
-def endpoint(env, tasks, base_url: str, model: str, api_key: str, temperature: float, turn_tokens: int) -> dict:
+def endpoint(env, tasks, base_url: str, model: str, api_key: str, temperature: float, turn_tokens: int,
+             progress: Reporter) -> dict:
     """Rollouts driven by an OpenAI-compatible chat endpoint with native tool calling."""
     import openai
 
-    from grooves.envs.rollout import trajectory
-
     client = openai.OpenAI(base_url=base_url, api_key=api_key)
-    tools = env.tool_schemas()
     start = time.perf_counter()
     trajectories = []
-    for task in tasks:
-        state = env.reset(task)
-        tokens = 0
-        while not env.is_done(state):
-            messages = [{k: v for k, v in m.items() if k != "raw"} for m in state.messages]
-            reply = client.chat.completions.create(model=model, messages=messages, tools=tools or None,
-                                                   temperature=temperature, max_tokens=turn_tokens)
-            message = reply.choices[0].message
-            tokens += reply.usage.completion_tokens if reply.usage else 0
-            calls = "".join(tool_call_text(c.model_dump()) for c in message.tool_calls or [])
-            asyncio.run(env.respond(state, ((message.content or "") + calls).strip()))
-            if not env.is_done(state) and state.turns >= env.max_turns:
-                env.finish(state, None, "max_turns")
-        state.data["endpoint_tokens"] = tokens
-        trajectories.append(trajectory(env, state))
-        env.close(state)
+    with progress.counting(len(tasks), unit="task"):
+        for task in tasks:
+            trajectories.append(endpoint_rollout(env, task, client, model, temperature, turn_tokens))
+            solved = env.solved(trajectories[-1].metadata["env_scores"])
+            progress.advance(len(trajectories), {"solved": "yes" if solved else "no"})
     return summarise(env, trajectories, time.perf_counter() - start)
+
+
+def endpoint_rollout(env, task, client, model: str, temperature: float, turn_tokens: int):
+    """One task's episode, each model turn a chat completion; the env parses its tool calls."""
+    from grooves.envs.rollout import trajectory
+
+    tools = env.tool_schemas()
+    state = env.reset(task)
+    tokens = 0
+    while not env.is_done(state):
+        messages = [{k: v for k, v in m.items() if k != "raw"} for m in state.messages]
+        reply = client.chat.completions.create(model=model, messages=messages, tools=tools or None,
+                                               temperature=temperature, max_tokens=turn_tokens)
+        message = reply.choices[0].message
+        tokens += reply.usage.completion_tokens if reply.usage else 0
+        calls = "".join(tool_call_text(c.model_dump()) for c in message.tool_calls or [])
+        asyncio.run(env.respond(state, ((message.content or "") + calls).strip()))
+        if not env.is_done(state) and state.turns >= env.max_turns:
+            env.finish(state, None, "max_turns")
+    state.data["endpoint_tokens"] = tokens
+    result = trajectory(env, state)
+    env.close(state)
+    return result
 
 
 def print_table(rows: list[tuple[str, str, dict]]) -> None:
@@ -109,13 +121,17 @@ def main() -> None:
     parser.add_argument("--api-key", default="none")
     args = parser.parse_args()
     rows = []
+    progress = Reporter(Console())  # stdout: a bar on a terminal, lines in a log
     for name in args.envs.split(","):
         env = load_env(name)
         tasks = env.tasks("heldout", args.n, seed=0)
+        progress.phase("rollouts", f"{name}: {len(tasks)} held-out tasks, the bundled model, in one batch")
         rows.append((name, "smollm2-135m (bundled)", bundled(env, tasks, args.temperature, args.turn_tokens)))
         if args.base_url:
+            progress.phase("rollouts", f"{name}: {len(tasks)} held-out tasks, {args.endpoint_model} at {args.base_url}")
             rows.append((name, args.endpoint_model, endpoint(env, tasks, args.base_url, args.endpoint_model,
-                                                             args.api_key, args.temperature, args.turn_tokens)))
+                                                             args.api_key, args.temperature, args.turn_tokens,
+                                                             progress)))
         if name == "search":
             from grooves.envs.search import bm25_baseline
 

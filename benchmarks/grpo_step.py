@@ -31,6 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from rich.console import Console
+
+from grooves.progress import Reporter
+
 BASE = "bundled:smollm2-135m-instruct"
 GROUP, MAX_NEW, LR = 8, 48, 1e-5
 
@@ -198,16 +202,22 @@ def main() -> None:
         return
     results: dict[str, list] = {"grooves": [], "trl": []}
     pair_ratios = []
-    for pair in range(args.pairs):
-        medians = {}
-        for side in ("grooves", "trl") if pair % 2 == 0 else ("trl", "grooves"):
-            result = run_side(side, args.warmup + args.steps)
-            timed = result["steps"][args.warmup:]
-            results[side].append({"steps": timed, "rss_mb": result["rss_mb"]})
-            medians[side] = statistics.median(s["seconds"] for s in timed)
-            print(f"pair {pair + 1} {side:>7}: median {medians[side]:.2f} s/step over {len(timed)} steps, "
-                  f"peak RSS {result['rss_mb']:.0f} MB", flush=True)
-        pair_ratios.append(medians["trl"] / medians["grooves"])
+    progress = Reporter(Console())  # stdout: a bar on a terminal, a line per subprocess in a log
+    with progress.counting(2 * args.pairs, unit="run"):
+        for pair in range(args.pairs):
+            medians = {}
+            for side in ("grooves", "trl") if pair % 2 == 0 else ("trl", "grooves"):
+                progress.phase("running", f"pair {pair + 1} {side}: {args.warmup} + {args.steps} steps in a "
+                               f"subprocess")
+                result = run_side(side, args.warmup + args.steps)
+                timed = result["steps"][args.warmup:]
+                results[side].append({"steps": timed, "rss_mb": result["rss_mb"]})
+                medians[side] = statistics.median(s["seconds"] for s in timed)
+                progress.advance(2 * pair + len(medians), {
+                    "pair": f"{pair + 1} {side}", "median": f"{medians[side]:.2f} s/step over {len(timed)} steps",
+                    "peak RSS": f"{result['rss_mb']:.0f} MB"})
+            pair_ratios.append(medians["trl"] / medians["grooves"])
+    progress.phase("measuring", "this machine's matmul rate and memory bandwidth")
     rates = machine_rates()
     n, prompt_tokens = model_sizes()
     summary = {}

@@ -31,7 +31,9 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
 
+from grooves.progress import Reporter
 from grooves.rewards.models import (fit_ridge, heldout_split, pearson, read_csv, spearman,
                                     train_reward_model)
 
@@ -86,18 +88,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     began = time.perf_counter()
+    progress = Reporter(Console())  # stdout: a bar on a terminal, lines in a log
 
+    progress.phase("reading", str(args.data))
     rows = read_csv(args.data, "title", "num_points")
     y = np.log1p(rows.targets)
     train, heldout = heldout_split(len(y), 0.1, args.seed)  # the split train_reward_model makes
     constant = evaluate("constant (training mean)", np.full(len(y), y[train].mean()), y, heldout, 0.0, 0.0)
     model = train_reward_model(rows.texts, rows.targets, backbone=BACKBONE, transform="log1p",
-                               heldout_fraction=0.1, seed=args.seed, batch_size=args.batch_size, progress=True)
+                               heldout_fraction=0.1, seed=args.seed, batch_size=args.batch_size, progress=progress)
     m = model.config["metrics"]
     assert m["n_heldout"] == len(heldout)
     rm = {"model": "rm: frozen SmolLM2-135M, mean pool, ridge", "pearson": m["pearson"],
           "spearman": m["spearman"], "rmse": m["rmse"], "features_s": m["seconds_features"],
           "fit_s": m["seconds_fit"], "peak_rss_mib": peak_rss_mib()}
+    progress.phase("baseline", f"ridge on the {args.vocab} most frequent word 1-2grams")
     ngram = ngram_baseline(rows.texts, y, train, heldout, args.vocab, args.seed)
     results = [constant, ngram, rm]
 

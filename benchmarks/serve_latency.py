@@ -30,9 +30,11 @@ from pathlib import Path
 
 import openai
 import torch
+from rich.console import Console
 
 from grooves import algorithms
 from grooves.policy import LoRA, Policy
+from grooves.progress import Reporter
 from grooves.serve import merge_checkpoint
 from grooves.serve.app import ServerThread, build_server, create_app
 from grooves.training.trainer import Trainer
@@ -86,7 +88,8 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="grooves-serve-bench-"))
     runs = work / "runs"
-    print("preparing 4 adapters and a merged model ...", flush=True)
+    progress = Reporter(Console())  # stdout: a bar on a terminal, lines in a log
+    progress.phase("preparing", "4 adapters and a merged model")
     make_adapters(runs, 4)
     merged_dir = merge_checkpoint("adapter0@latest", work / "merged", runs=runs)
 
@@ -100,15 +103,19 @@ def main() -> None:
             clients = {name: openai.OpenAI(base_url=t.base_url, api_key="x", max_retries=0, timeout=600)
                        for name, t in (("base", b), ("adapters", a), ("merged", m))}
             mixed = [f"adapter{i}@latest" for i in range(4)]
+            progress.phase("warming up", "one short request per configuration")
             timed(clients["base"], BASE, 4)  # warm-up; loads the adapters
             timed(clients["merged"], str(merged_dir), 4)
             timed_concurrently(clients["adapters"], mixed, 4)
-            for round_number in range(args.rounds):
-                samples["base"].append(timed(clients["base"], BASE, args.tokens))
-                samples["unmerged"].append(timed(clients["adapters"], "adapter0@latest", args.tokens))
-                samples["merged"].append(timed(clients["merged"], str(merged_dir), args.tokens))
-                samples["mixed4"] += timed_concurrently(clients["adapters"], mixed, args.tokens)
-                print(f"round {round_number + 1}/{args.rounds} done", flush=True)
+            with progress.counting(args.rounds, unit="round"):
+                for round_number in range(args.rounds):
+                    progress.phase("timing", "base, unmerged, merged, mixed4", log=False)
+                    samples["base"].append(timed(clients["base"], BASE, args.tokens))
+                    samples["unmerged"].append(timed(clients["adapters"], "adapter0@latest", args.tokens))
+                    samples["merged"].append(timed(clients["merged"], str(merged_dir), args.tokens))
+                    samples["mixed4"] += timed_concurrently(clients["adapters"], mixed, args.tokens)
+                    progress.advance(round_number + 1, {name: f"{samples[name][-1][0]:.2f} s"
+                                                        for name in ("base", "unmerged", "merged")})
     finally:
         for server in servers.values():
             server.engine.stop()

@@ -8,6 +8,7 @@ import pytest
 FORBIDDEN = {
     "grooves.types": ["grooves.policy", "grooves.rewards", "grooves.monitors", "grooves.training"],
     "grooves.scoring": ["grooves.policy", "grooves.rewards", "grooves.monitors", "grooves.training"],
+    "grooves.progress": ["grooves.policy", "grooves.rewards", "grooves.monitors", "grooves.training", "grooves.cli"],
     "grooves.monitors": ["grooves.rewards", "grooves.policy", "grooves.training", "grooves.cli"],
     "grooves.algorithms": ["grooves.policy", "grooves.training", "grooves.cli"],
     "grooves.rewards": ["grooves.training", "grooves.monitors", "grooves.cli"],

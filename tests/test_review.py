@@ -324,3 +324,22 @@ def test_guard_suggest_command_reads_the_source_from_the_tasks(tmp_path, cli):
     assert result.exit_code == 0, result.output
     assert re.search(r"grounded_terms.*5/5.*0/3.*0/0.*6/20", result.output), result.output
     assert 'source = "text"' in result.output
+
+
+def test_review_command_shows_each_samples_task_prompt_above_its_completion(tmp_path, cli):
+    store = RunStore(tmp_path / "runs" / "r2")
+    store.record_groups(1, [group("a", sample("Rust 1.80 ships", 0.9, user="Title for: Rust [bold]1.80[/bold] is out")),
+                            group("b", sample("A quiet week", 0.1, user="Title for: nothing happened"))])
+    store.close()
+    result = runner.invoke(cli, ["review", "r2", "--k", "1", "--runs", str(tmp_path / "runs")])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    # Each prompt comes right before its own completion; markup in a prompt is shown as text.
+    top = text.index("prompt: Title for: Rust [bold]1.80[/bold] is out")
+    bottom = text.index("prompt: Title for: nothing happened")
+    assert top < text.index("Rust 1.80 ships") < bottom < text.index("A quiet week")
+    store = RunStore(tmp_path / "runs" / "r2")
+    (step,) = review(store, k=1)
+    store.close()
+    assert [s.prompt for s in step.top + step.bottom] == ["Title for: Rust [bold]1.80[/bold] is out",
+                                                         "Title for: nothing happened"]

@@ -47,12 +47,13 @@ def demo_config_path() -> Path:
 
 
 def run_demo(steps: int | None = None, runs: str | Path | None = None, console: Console | None = None) -> DemoResult:
+    """Train the demo; ``console`` shows the progress (a bar on a terminal, a line per step in a log)."""
     start = time.time()
     config = load_config(demo_config_path())
     if steps is not None:
         config.steps = steps
     config.name = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    run = run_config(config, runs=runs)
+    run = run_config(config, runs=runs, console=console)
     return DemoResult(run, run.evaluations[0], run.evaluations[run.step], time.time() - start)
 
 

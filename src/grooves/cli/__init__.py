@@ -33,12 +33,15 @@ def train(
                                          "checkpoint (an error when there is no run to continue).")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Run folder (default: RUNS/<name>).")] = None,
     runs: RunsOption = None,
-    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress (bar or lines).")] = False,
     ack: Annotated[list[str] | None, typer.Option("--ack", help="With --resume: accept the alerts of this "
                                                   "detector (e.g. collapse); they only warn from now on. "
                                                   "Repeatable.")] = None,
 ) -> None:
     """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder.
+
+    Progress goes to stdout: on a terminal a bar with the phase and the time left; to a file
+    or a pipe one line per step.
 
     Exit codes: 0 the run finished its steps; 1 the run failed (train.max_failed_steps steps in a row
     trained nothing); 2 bad input (config, files, a run another process is training); 3 a
@@ -66,7 +69,7 @@ def train(
         raise _fail(f"--ack {', '.join(unknown)}: not a detector; allowed: {', '.join(d.name for d in DETECTORS)}")
     try:
         run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet, acknowledge=tuple(ack or ()),
-                         resume_command=_resume_command("train", config, out_dir=out_dir, runs=runs))
+                         resume_command=_resume_command("train", config, out_dir=out_dir, runs=runs), console=out)
     except _user_errors() as error:
         raise _fail(str(error)) from None
     except KeyboardInterrupt:  # before the loop took over Ctrl-C, or a second Ctrl-C: nothing more saved
@@ -129,7 +132,7 @@ def probe(
         raise _fail(f"invalid config {config}:\n{error}") from None
     try:
         run = run_config(cfg, runs=runs, resume=resume, acknowledge=tuple(ack or ()), stop_rule=heldout_rose(),
-                         resume_command=_resume_command("probe", config, runs=runs))
+                         resume_command=_resume_command("probe", config, runs=runs), console=out)
     except _user_errors() as error:
         raise _fail(str(error)) from None
     except KeyboardInterrupt:
@@ -158,16 +161,24 @@ def sample(
     system: Annotated[str | None, typer.Option(help="System message.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
     runs: RunsOption = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress lines on stderr.")] = False,
 ) -> None:
-    """Generate completions of PROMPT with a base model or a checkpoint."""
-    from grooves.policy import Policy, Sampling
+    """Generate completions of PROMPT with a base model or a checkpoint.
 
+    The completions go to stdout; what it is doing (loading, generating) goes to stderr.
+    """
+    from grooves.policy import Policy, Sampling
+    from grooves.progress import Reporter
+
+    progress = Reporter(err, enabled=not quiet)
     try:
+        progress.phase("loading", f"model {model}")
         policy = Policy.load(model, runs=runs)
         sampling = Sampling(temperature=temperature, top_p=top_p or 1.0, max_new_tokens=max_tokens, seed=seed)
     except (*_user_errors(), ValueError) as error:
         raise _fail(str(error)) from None
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    progress.phase("generating", f"{n} completion{'s' if n > 1 else ''} of at most {max_tokens} new tokens")
     for i, completion in enumerate(policy.sampler().generate([messages], n=n, sampling=sampling)[0]):
         if n > 1:
             out.print(f"[dim]--- {i + 1} ({completion.finish_reason}, {len(completion.token_ids)} tokens)[/]")
@@ -291,11 +302,14 @@ def demo(
     steps: Annotated[int | None, typer.Option(help="Training steps (default: the demo config's).")] = None,
     runs: RunsOption = None,
 ) -> None:
-    """RL-train the bundled model to write titles; print held-out reward before and after."""
+    """RL-train the bundled model to write titles; print held-out reward before and after.
+
+    Progress goes to stdout with the report, so `grooves demo > log` logs one line per step.
+    """
     from grooves.demo import print_report, run_demo
 
     try:
-        result = run_demo(steps=steps, runs=runs, console=err)
+        result = run_demo(steps=steps, runs=runs, console=out)
     except _user_errors() as error:
         raise _fail(str(error)) from None
     print_report(result, out)

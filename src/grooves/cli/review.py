@@ -127,11 +127,12 @@ def _print_step(step_review: StepReview) -> None:
 
 
 def _sample_panel(sample: Sample, where: str, limit: int = 1200):
-    """A sample as a panel: the completion, then components, reasons, vetoes and any label."""
+    """A sample as a panel: the task's prompt, the completion, then components, reasons, vetoes and any label."""
     from rich.markup import escape
     from rich.panel import Panel
 
-    lines = [_clip(sample.completion, limit) or "[dim](empty)[/]", ""]
+    lines = [f"[bold]prompt[/]: {_clip(sample.prompt, 600) or '[dim](none)[/]'}", "[bold]completion[/]:",
+             _clip(sample.completion, limit) or "[dim](empty)[/]", ""]
     values = " · ".join(f"{escape(n)} {_value(v)}" for n, v in sample.components.items())
     lines.append(f"[bold]components[/]: {values or '-'}")
     lines += [f"  [cyan]{escape(n)}[/]: {_clip(reason, 300)}" for n, reason in sample.reasons.items()

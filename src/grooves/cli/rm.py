@@ -39,16 +39,21 @@ def train(
     limit: Annotated[int | None, typer.Option(min=1, help="Use only the first N data rows.")] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Texts per backbone forward pass.")] = 32,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens read per text (longer ones are cut).")] = 128,
-    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress (bar or lines).")] = False,
 ) -> None:
-    """Train a reward model (frozen backbone + linear head) on DATA and report held-out metrics."""
+    """Train a reward model (frozen backbone + linear head) on DATA and report held-out metrics.
+
+    Progress (loading, features with the time left, fitting) goes to stdout with the report.
+    """
+    from grooves.progress import Reporter
     from grooves.rewards.models import read_csv, train_reward_model
 
     try:
         rows = read_csv(data, text_col, target_col, pair_col, limit)
         model = train_reward_model(rows.texts, rows.targets, backbone=backbone, groups=rows.groups,
                                    transform=transform, heldout_fraction=heldout_fraction, seed=seed,
-                                   batch_size=batch_size, max_tokens=max_tokens, progress=not quiet)
+                                   batch_size=batch_size, max_tokens=max_tokens,
+                                   progress=Reporter(out, enabled=not quiet))
         model.config |= {"text_col": text_col, "target_col": target_col, "pair_col": pair_col,
                          "data": str(data)}
         model.save(out_dir)

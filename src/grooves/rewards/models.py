@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from grooves.progress import Reporter
 from grooves.rewards.compose import ComponentError, RewardComponent, task_arguments
 from grooves.rewards.rm_fit import (  # noqa: F401  (re-exported: the RM API is one module)
     MIN_HELDOUT, MIN_TRAIN, TRANSFORMS, RewardModelError, TrainingData, comparison_pairs, fit_bradley_terry,
@@ -80,16 +81,17 @@ def _frozen(model):
 
 
 def embed(model, tokenizer, texts: list[str], batch_size: int = 32, max_tokens: int = 128,
-          progress: bool = False) -> np.ndarray:
+          progress: bool | Reporter = False) -> np.ndarray:
     """Mean-pooled last hidden state of each text, (N, H) float64.
 
     Texts are sorted by token count so a batch pads little; padding goes on the right and
     the mean covers each text's own tokens, so (causal attention) a text's features do not
     depend on its batch beyond float rounding. An empty text is read as one eos token.
+    ``progress``: a ``Reporter``, or True for one on stderr (a log gets a line at most every 10 s).
     """
     import torch
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    reporter = progress if isinstance(progress, Reporter) else Reporter(enabled=progress)
 
     filler = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     ids = [row or [filler] for row in
@@ -97,10 +99,9 @@ def embed(model, tokenizer, texts: list[str], batch_size: int = 32, max_tokens: 
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     device = next(model.parameters()).device
     features = np.zeros((len(ids), model.config.hidden_size))
-    columns = (TextColumn("features"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    reporter.phase("features", f"{len(ids)} texts, {batch_size} per batch")
     with _FORWARD_LOCK, _frozen(model), torch.inference_mode(), \
-            Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar:
-        task = bar.add_task("features", total=len(ids))
+            reporter.counting(len(ids), unit="texts", every=10.0):
         for start in range(0, len(order), batch_size):
             batch = order[start:start + batch_size]
             lengths = torch.tensor([len(ids[i]) for i in batch])  # (B,)
@@ -112,7 +113,7 @@ def embed(model, tokenizer, texts: list[str], batch_size: int = 32, max_tokens: 
                                          attention_mask=mask.long().to(device)).last_hidden_state
             pooled = (hidden.float().cpu() * mask[..., None]).sum(1) / lengths[:, None]  # (B, H)
             features[batch] = pooled.double().numpy()
-            bar.advance(task, len(batch))
+            reporter.advance(start + len(batch))
     return features
 
 
@@ -233,17 +234,21 @@ def _metrics(scores: np.ndarray, y: np.ndarray, train: np.ndarray, heldout: np.n
 def train_reward_model(texts: list[str], targets, *, backbone: str = "bundled:smollm2-135m-instruct",
                        groups: list[str] | None = None, transform: str = "none", heldout_fraction: float = 0.1,
                        seed: int = 0, batch_size: int = 32, max_tokens: int = 128,
-                       base: tuple[Any, Any] | None = None, progress: bool = False) -> RewardModel:
+                       base: tuple[Any, Any] | None = None, progress: bool | Reporter = False) -> RewardModel:
     """Fit an RM (regression, or Bradley-Terry when ``groups`` is given) on a seeded split;
     held-out metrics land in ``config["metrics"]``. Sizes are checked before the slow features."""
     y = transform_targets(np.asarray(targets, dtype=np.float64), transform)
     if len(texts) != len(y) or (groups is not None and len(groups) != len(y)):
         raise RewardModelError(f"{len(texts)} texts, {len(y)} targets and groups of a different length")
     train, heldout, *pairs = _split(y, groups, heldout_fraction, seed)
+    reporter = progress if isinstance(progress, Reporter) else Reporter(enabled=progress)
+    if base is None:
+        reporter.phase("loading", f"backbone {backbone}")
     model, tokenizer = base or shared_backbone(backbone)
     start = time.perf_counter()
-    x = embed(model, tokenizer, texts, batch_size, max_tokens, progress)
+    x = embed(model, tokenizer, texts, batch_size, max_tokens, reporter)
     seconds_features, start = time.perf_counter() - start, time.perf_counter()
+    reporter.phase("fitting", "ridge head" if groups is None else "Bradley-Terry head")
     mean, std = x[train].mean(0), x[train].std(0)
     std[std < 1e-12] = 1.0  # a constant feature carries nothing; avoid 0/0
     z = (x - mean) / std

@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
 from grooves.algorithms.presets import Algorithm, preset
 from grooves.policy.checkpoints import runs_root
 from grooves.policy.policy import Policy
+from grooves.progress import Reporter
 from grooves.rewards.compose import Reward, as_reward, import_object
 from grooves.tasks.sources import load_tasks, split_tasks
 from grooves.training.config import ConfigError, RewardConfig, RunConfig, TasksConfig, parse_config
@@ -112,16 +114,19 @@ def task_sets(config: RunConfig) -> list[TaskSet]:
 
 def run_config(config: RunConfig, *, runs: str | Path | None = None, out: str | Path | None = None,
                resume: bool = False, progress: bool = True, acknowledge: tuple[str, ...] = (),
-               stop_rule: StopRule | None = None, resume_command: str = "grooves train CONFIG --resume") -> Run:
+               stop_rule: StopRule | None = None, resume_command: str = "grooves train CONFIG --resume",
+               console: Console | None = None) -> Run:
     """Run (or resume) the training described by a config, as ``grooves train`` does.
 
     ``acknowledge``: detectors whose alerts only warn from now on (``--ack`` on resume).
+    ``console``: where progress and alerts go (default: stderr); see ``grooves.progress``.
     """
     sets = task_sets(config)
+    Reporter(console, enabled=progress).phase("loading", f"model {config.model.spec}")
     policy = load_policy(config, runs)
     share_backbones(sets, policy)
     run_dir = Path(out) if out else runs_root(runs) / config.name
-    return TrainingRun(config, policy, sets, run_dir, resume=resume, progress=progress,
+    return TrainingRun(config, policy, sets, run_dir, resume=resume, progress=progress, console=console,
                        acknowledge=acknowledge, stop_rule=stop_rule, resume_command=resume_command).run()
 
 

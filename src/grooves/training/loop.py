@@ -22,7 +22,6 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
 from grooves.algorithms import has_signal
@@ -30,6 +29,7 @@ from grooves.envs.rollout import env_metrics
 from grooves.monitors import Alert, Monitors
 from grooves.policy.policy import Policy
 from grooves.policy.sampler import Sampling
+from grooves.progress import Reporter
 from grooves.rewards.compose import RewardReport
 from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
@@ -82,8 +82,8 @@ class TrainingRun:
         self.heldout = {s.name: s.heldout[: config.log.val_size] for s in task_sets}
         self.run_dir = Path(run_dir)
         self.resume = resume
-        self.show_progress = progress
         self.console = console or Console(stderr=True)
+        self.progress = Reporter(self.console, enabled=progress)
         s = config.sampling
         self.sampling = Sampling(temperature=s.temperature, top_p=s.top_p,
                                  max_new_tokens=s.max_completion_length, stop=tuple(s.stop))
@@ -125,15 +125,14 @@ class TrainingRun:
         try:
             if start == 0 and self._has_heldout:
                 self._log(0, self._validate(0))
-            with self._progress() as progress, GracefulStop(self.console) as stop:
-                bar = progress.add_task("train", total=self.config.steps, completed=start, reward="-")
+            with self.progress.counting(self.config.steps, done=start), GracefulStop(self.console) as stop:
                 for step in range(start + 1, self.config.steps + 1):
                     metrics = self._step(step)
                     self._log(step, metrics)
                     halting = self._halt is not None or stop.requested
                     if step % self.config.log.save_every == 0 or step == self.config.steps or halting:
                         self._save(step)
-                    progress.update(bar, completed=step, reward=_fmt(metrics.get("reward/total")))
+                    self.progress.advance(step, self._progress_values(metrics))
                     if stop.requested:
                         self.console.print(f"[yellow]stopped[/] after step {step} (checkpoint saved); "
                                            f"continue with: {self.resume_command}")
@@ -163,6 +162,7 @@ class TrainingRun:
         tokens = sum(len(t.completion_ids) for g in sampled for t in g.trajectories)
         metrics["train/sample_time"] = sample_time
         metrics["train/tokens_per_s"] = tokens / sample_time
+        self.progress.phase("updating", log=False)
         metrics.update(self.trainer.train_step(kept))
         self.store.record_groups(step, sampled)
         for name, report in reports.items():
@@ -249,6 +249,7 @@ class TrainingRun:
         while True:
             rounds += 1
             drawn = self._take_tasks(target - len(kept) if alg.dynamic_sampling else target)
+            self.progress.phase("sampling", log=False)
             groups = []
             for task_set in self.sets:  # an env's tasks roll out with its tools, the others as one batch
                 own = [t for s, t in drawn if s is task_set]
@@ -258,6 +259,7 @@ class TrainingRun:
                                              self.trainer.step, task_set.env)
                     for group in groups[-len(own):]:
                         group.metadata["task_set"] = task_set.name
+            self.progress.phase("rewarding", log=False)
             for task_set in self.sets:
                 task_set.reward.score([g for g in groups if g.metadata["task_set"] == task_set.name],
                                       reports[task_set.name])
@@ -314,6 +316,7 @@ class TrainingRun:
         return any(self.heldout.values())
 
     def _validate(self, step: int) -> dict[str, float]:
+        self.progress.phase("validating", f"{sum(map(len, self.heldout.values()))} held-out tasks (step {step})")
         groups, reports = [], {}
         for task_set in self.sets:
             tasks = self.heldout[task_set.name]
@@ -367,6 +370,7 @@ class TrainingRun:
         return start
 
     def _save(self, step: int) -> None:
+        self.progress.phase("saving", log=False)
         ckpt.save_checkpoint(self.run_dir, step, self.policy, self.trainer.state_dict(), self.generator,
                              {"tasks": self.mix.state(), "prompts_skipped": self.prompts_skipped,
                               "run": self.run_dir.name, "monitors": self.monitors.state_dict(),
@@ -395,10 +399,13 @@ class TrainingRun:
                         {"component": name, "task_set": task_set, "errors": errors, "calls": report.calls[name],
                          "first_error": report.first_error[name]})
 
-    def _progress(self) -> Progress:
-        return Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                        TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(), TextColumn("left"),
-                        TimeRemainingColumn(), console=self.console, disable=not self.show_progress)
+    def _progress_values(self, metrics: dict[str, float]) -> dict[str, str]:
+        """What a step's progress line shows: its reward and the latest held-out reward with its step."""
+        values = {"reward": _fmt(metrics.get("reward/total"))}
+        if self.evaluations:
+            at = max(self.evaluations)
+            values["heldout"] = f"{_fmt(self.evaluations[at].metrics.get('val/reward/total'))} (step {at})"
+        return values
 
 
 def resume_point(run_dir: Path, resume: bool, resume_command: str, console: Console) -> Path | None:

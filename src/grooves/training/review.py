@@ -44,6 +44,7 @@ class Sample:
     step: int
     split: str
     task_id: str | None
+    prompt: str  # the task as the model read it: the first user message
     completion: str
     reward: float  # NaN: a required component failed
     components: dict[str, float]
@@ -81,8 +82,17 @@ def as_sample(row: StoredTrajectory, labels: dict[int, dict] | None = None) -> S
     t = row.trajectory
     given = (labels or {}).get(row.id)
     label = Label(row.id, given["label"], given["note"]) if given else None
-    return Sample(row.id, row.step, row.split, row.task_id, t.completion, t.reward, dict(t.components),
-                  dict(t.metadata.get("reasons", {})), dict(t.metadata.get("vetoes", {})), label)
+    return Sample(row.id, row.step, row.split, row.task_id, task_prompt(t.messages), t.completion, t.reward,
+                  dict(t.components), dict(t.metadata.get("reasons", {})), dict(t.metadata.get("vetoes", {})), label)
+
+
+def task_prompt(messages: list[dict]) -> str:
+    """The first user message's text: what was asked, for judging whether the answer fits it."""
+    for message in messages:
+        if message.get("role") == "user":
+            content = message.get("content")
+            return content if isinstance(content, str) else str(content or "")
+    return ""
 
 
 def select(samples: list[Sample], k: int, seed: int = 0) -> tuple[list[Sample], list[Sample], list[Sample]]:
