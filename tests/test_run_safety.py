@@ -247,7 +247,7 @@ def test_ctrl_c_saves_then_exits_130_with_the_full_resume_command(tmp_path):
     assert proc.returncode == 130, stderr
     last = steps_logged(out)[-1]
     assert (out / "checkpoints" / f"step-{last:04d}").is_dir()  # saved before exiting
-    text = " ".join(stderr.split())
+    text = " ".join((stdout + stderr).split())  # progress and its messages go to stdout
     assert f"grooves train {config} --resume --out {out} --runs {runs}" in text
 
 

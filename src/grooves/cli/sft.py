@@ -22,9 +22,13 @@ def sft(
                                          "checkpoint.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Run folder (default: RUNS/<name>).")] = None,
     runs: RunsOption = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress.")] = False,
 ) -> None:
     """Fine-tune a LoRA adapter on transcripts (loss on the assistant's tokens only), in a run folder
     like grooves train's. RL continues from it: [model] adapter = "RUN@STEP".
+
+    Progress goes to stdout: on a terminal a bar with the phase and the time left; to a file or a
+    pipe one line per step (loss, held-out loss when measured, seconds, ETA).
 
     Exit codes: 0 done, 2 bad input, 130 Ctrl-C (after saving a checkpoint).
     """
@@ -41,7 +45,7 @@ def sft(
     except ConfigError as error:
         raise _fail(f"invalid config {config}:\n{error}") from None
     try:
-        run = run_sft_config(cfg, runs=runs, out=out_dir, resume=resume, console=err,
+        run = run_sft_config(cfg, runs=runs, out=out_dir, resume=resume, console=out, progress=not quiet,
                              resume_command=_resume_command("sft", config, out_dir=out_dir, runs=runs))
     except (*_user_errors(), ValueError) as error:
         raise _fail(str(error)) from None

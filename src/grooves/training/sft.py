@@ -22,6 +22,7 @@ from pydantic import Field, field_validator
 from rich.console import Console
 
 from grooves.policy.lora import LoRA
+from grooves.progress import Reporter
 from grooves.policy.logprobs import build_token_batch, completion_logprobs
 from grooves.policy.policy import Policy
 from grooves.tasks.sources import TaskStream
@@ -82,13 +83,14 @@ class SFTRun:
     """One SFT run folder: examples in, checkpoints and metrics out."""
 
     def __init__(self, config: SFTConfig, policy: Policy, train: list[Trajectory], heldout: list[Trajectory],
-                 run_dir: Path, *, resume: bool = False, console: Console | None = None, env_eval=None,
-                 resume_command: str = "grooves sft CONFIG --resume"):
+                 run_dir: Path, *, resume: bool = False, console: Console | None = None, progress: bool = True,
+                 env_eval=None, resume_command: str = "grooves sft CONFIG --resume"):
         if not train:
             raise ValueError("SFT needs at least one training example")
         self.config, self.policy, self.train, self.heldout = config, policy, train, heldout[: config.log.val_size]
         self.run_dir, self.resume, self.resume_command = Path(run_dir), resume, resume_command
         self.console = console or Console(stderr=True)
+        self.progress = Reporter(self.console, enabled=progress)
         self.env_eval = env_eval  # step -> metrics of held-out env rollouts, or None
         self.params = policy.trainable_parameters()
         self.optimizer = torch.optim.AdamW(self.params, lr=config.optim.learning_rate, betas=config.optim.betas,
@@ -103,15 +105,16 @@ class SFTRun:
             try:
                 if start == 0:
                     self._log(0, self._validate())
-                with GracefulStop(self.console) as stop:
+                with self.progress.counting(self.config.steps, done=start), GracefulStop(self.console) as stop:
                     for step in range(start + 1, self.config.steps + 1):
                         metrics = self._step(step)
                         if step % self.config.log.val_every == 0 or step == self.config.steps:
                             metrics.update(self._validate())
                         self._log(step, metrics)
                         if step % self.config.log.save_every == 0 or step == self.config.steps or stop.requested:
+                            self.progress.phase("saving", log=False)
                             self._save(step)
-                        self.console.print(_line(step, self.config.steps, metrics), highlight=False)
+                        self.progress.advance(step, _values(metrics))
                         if stop.requested:
                             self.console.print(f"stopped after step {step} (checkpoint saved); continue with: "
                                                f"{self.resume_command}")
@@ -129,6 +132,7 @@ class SFTRun:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         examples = [self.train[i] for i in self.stream.take(self.config.batch_size)]
+        self.progress.phase("updating", log=False)
         self.policy.model.train()
         try:
             self.optimizer.zero_grad(set_to_none=True)
@@ -160,6 +164,8 @@ class SFTRun:
         return total, tokens
 
     def _validate(self) -> dict[str, float]:
+        self.progress.phase("validating", f"{len(self.heldout)} held-out examples"
+                            + (" and env tasks" if self.env_eval is not None else ""))
         metrics = {}
         if self.heldout:
             metrics["val/loss/sft"] = self._loss(self.heldout, backward=False)[0]
@@ -199,20 +205,27 @@ class SFTRun:
         self.sinks.log(step, metrics)
 
 
-def _line(step: int, steps: int, metrics: dict[str, float]) -> str:
-    held = f"  val loss {metrics['val/loss/sft']:.4f}" if "val/loss/sft" in metrics else ""
-    return f"step {step}/{steps}  loss {metrics['loss/sft']:.4f}{held}  {metrics['train/step_time']:.1f} s"
+def _values(metrics: dict[str, float]) -> dict[str, str]:
+    """What a step's progress line shows: its loss, and the held-out loss and success when measured."""
+    values = {"loss": f"{metrics['loss/sft']:.4f}"}
+    for key, name in (("val/loss/sft", "heldout loss"), ("val/success", "heldout success")):
+        if key in metrics:
+            values[name] = f"{metrics[key]:.4f}"
+    return values
 
 
 def run_sft_config(config: SFTConfig, *, runs: str | Path | None = None, out: str | Path | None = None,
-                   resume: bool = False, console: Console | None = None,
+                   resume: bool = False, console: Console | None = None, progress: bool = True,
                    resume_command: str = "grooves sft CONFIG --resume") -> Run:
     """Run (or resume) the SFT a config describes, as ``grooves sft`` does."""
     from grooves.policy.checkpoints import runs_root
     from grooves.training.api import load_policy
     from grooves.training.sft_data import load_examples
 
+    reporter = Reporter(console, enabled=progress)
+    reporter.phase("loading", f"model {config.model.spec}")
     policy = load_policy(config, runs)
+    reporter.phase("loading", f"examples from {config.data.source}")
     d = config.data
     train, heldout = load_examples(policy, d.source, heldout=d.heldout, heldout_fraction=d.heldout_fraction,
                                    min_reward=d.min_reward, limit=d.limit, seed=config.seed, runs=runs,
@@ -221,8 +234,8 @@ def run_sft_config(config: SFTConfig, *, runs: str | Path | None = None, out: st
     if config.heldout_tasks and d.source.startswith("env:"):
         env_eval = env_evaluator(d.source[4:], d.env_options, config.heldout_tasks, config.seed, config.turn_tokens)
     run_dir = Path(out) if out else runs_root(runs) / config.name
-    return SFTRun(config, policy, train, heldout, run_dir, resume=resume, console=console, env_eval=env_eval,
-                  resume_command=resume_command).run()
+    return SFTRun(config, policy, train, heldout, run_dir, resume=resume, console=console, progress=progress,
+                  env_eval=env_eval, resume_command=resume_command).run()
 
 
 def env_evaluator(name: str, options: dict, n: int, seed: int, turn_tokens: int):
