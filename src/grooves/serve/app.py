@@ -28,9 +28,9 @@ from grooves.serve.legacy import completions
 from grooves.serve.protocol import AdapterRequest, ApiError, ChatCompletionRequest, CompletionRequest
 from grooves.serve.responses import completion_body
 from grooves.serve.server import MAX_BODY_BYTES, Server, as_api_error, event_queue, next_event, stopped_error, submit
-from grooves.serve.streaming import TextStream, chat_stream
+from grooves.serve.streaming import chat_stream
 
-__all__ = ["Server", "ServerThread", "TextStream", "build_server", "create_app"]
+__all__ = ["Server", "ServerThread", "bind", "build_server", "create_app", "serve_forever"]
 
 log = logging.getLogger("grooves.serve")
 

@@ -20,10 +20,10 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from grooves.policy.decoding import BASE_ADAPTER, RowOutput
-from grooves.serve.engine import Failed, Finished, GenerationRequest
+from grooves.serve.engine import EngineStopped, Failed, Finished, GenerationRequest
 from grooves.serve.protocol import ApiError, CompletionRequest
 from grooves.serve.responses import completion_id, token_bytes, usage
-from grooves.serve.server import Server, as_api_error, event_queue, next_event, submit
+from grooves.serve.server import Server, as_api_error, event_queue, next_event, stopped_error, submit
 from grooves.serve.streaming import legacy_stream
 
 
@@ -74,8 +74,11 @@ def _ids(server: Server, prompt: str | list[int]) -> list[int]:
 
 async def _prompt_logprobs(server: Server, resolved, ids: list[int], top: int):
     """(logprob, top) of each prompt token after the first, computed on the engine's thread."""
-    future = server.engine.control(lambda: prompt_logprobs(server, resolved, ids, top))
-    return await asyncio.wrap_future(future)
+    try:
+        future = server.engine.control(lambda: prompt_logprobs(server, resolved, ids, top))
+        return await asyncio.wrap_future(future)
+    except EngineStopped:
+        raise stopped_error() from None
 
 
 @torch.inference_mode()

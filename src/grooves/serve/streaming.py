@@ -103,7 +103,7 @@ def _last_chunks(server: Server, body: ChatCompletionRequest, chunk, text: TextS
     """A choice's closing chunks: the rest of its text (or its tool calls), then one with the finish
     reason alone, as OpenAI sends it (the SDK's helper closes a tool call only on a later chunk)."""
     message, finish = choice_message(body, output.text, output.finish_reason)
-    rest = chunk(output_delta(body, message, text, output))
+    rest = chunk(_output_delta(body, message, text, output))
     if body.wants_tools and body.logprobs:
         rest["choices"][0]["logprobs"] = logprobs_block(server.policy, output)
     last = chunk({})
@@ -115,7 +115,7 @@ def _last_chunks(server: Server, body: ChatCompletionRequest, chunk, text: TextS
     return ([rest] if rest["choices"][0]["delta"] else []) + [last]
 
 
-def output_delta(body: ChatCompletionRequest, message: dict, text: TextStream, output) -> dict:
+def _output_delta(body: ChatCompletionRequest, message: dict, text: TextStream, output) -> dict:
     if not body.wants_tools:
         remaining = text.finish(output.text)
         return {"content": remaining} if remaining else {}
