@@ -125,6 +125,17 @@ def test_a_body_over_the_limit_is_413_before_any_work(http):
     assert chunked.status_code == 413 and chunked.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenising(server, http):
+    served, _ = server
+    chars = 60_000  # under the body limit; the tiny model's tokens are single bytes: 60000 > 2048 tokens
+    reply = post_chat(http, messages=[{"role": "user", "content": "z" * chars}])
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert f"at least {chars // served.longest_token} tokens" in error["message"]
+    legacy = http.post("/completions", json={"model": "tiny", "prompt": "z" * chars})
+    assert legacy.status_code == 400 and legacy.json()["error"]["param"] == "prompt"
+
+
 @pytest.mark.parametrize("tools, param", [
     ([{"type": "function"}], "tools[0].function"),
     ([{"type": "function", "function": {"name": "no spaces allowed"}}], "tools[0].function.name"),

@@ -114,6 +114,7 @@ async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[Generat
     """Validate and tokenise a request; build its generation request and its event queue."""
     body.check_supported()
     server.resolve(body.model)
+    server.check_text(sum(len(m.content or "") for m in body.messages))
     prompt_ids = await run_in_threadpool(server.policy.chat_ids, body.message_dicts, body.tool_schemas)
     room = server.context_length - len(prompt_ids)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(server.default_max_tokens, room))

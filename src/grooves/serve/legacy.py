@@ -30,6 +30,9 @@ from grooves.serve.streaming import legacy_stream
 async def completions(server: Server, body: CompletionRequest, record: dict):
     body.check_supported()
     resolved = server.resolve(body.model)
+    for prompt in body.prompts:
+        if isinstance(prompt, str):
+            server.check_text(len(prompt), param="prompt")
     prompts = [await run_in_threadpool(_ids, server, p) for p in body.prompts]
     for prompt in prompts:
         server.check_room(len(prompt), body.max_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from grooves.serve.adapters import AdapterRegistry, UnknownModel
@@ -42,6 +43,20 @@ class Server:
             return self.registry.resolve(model)
         except UnknownModel as error:
             raise ApiError(404, str(error), code="model_not_found", param="model") from None
+
+    @cached_property
+    def longest_token(self) -> int:
+        """Characters in the vocabulary's longest token: a text of C characters has at least C / this many."""
+        tokenizer = self.policy.tokenizer
+        return max(len(piece or "") for piece in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+
+    def check_text(self, chars: int, param: str = "messages") -> None:
+        """Refuse a prompt whose text alone cannot fit the context, before paying to tokenise it."""
+        at_least = chars // max(self.longest_token, 1)
+        if at_least > self.context_length:
+            raise ApiError(400, f"the prompt has at least {at_least} tokens ({chars} characters): more than the "
+                                f"model's {self.context_length}-token context", code="context_length_exceeded",
+                           param=param)
 
     def check_room(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.context_length:
