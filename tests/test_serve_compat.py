@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grooves.serve.app import ServerThread, build_server, create_app
+from grooves.serve.responses import token_bytes
 
 HELLO = [{"role": "user", "content": "hello"}]
 WEATHER = {"type": "function", "function": {
@@ -147,3 +148,14 @@ def test_models_retrieve(client):
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("nope@3")
     assert missing.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.slow
+def test_token_bytes_of_the_bundled_tokenizer_rebuild_any_text(bundled_base):
+    _, tokenizer = bundled_base
+    text = "héllo € 😀 日本語"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [token_bytes(tokenizer, i) for i in ids]
+    assert b"".join(pieces).decode() == text
+    assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # some tokens hold part of a character
+    assert token_bytes(tokenizer, tokenizer.eos_token_id) is None
