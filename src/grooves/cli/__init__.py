@@ -233,21 +233,24 @@ def _checkpoint_cell(folder: Path) -> str:
 def serve(
     model: Annotated[str, typer.Option(help="Base model spec served, with its adapters.")] = "bundled:smollm2-135m-instruct",
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 8000,
     api_key: Annotated[str | None, typer.Option(envvar="GROOVES_API_KEY",
-                                                help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
+                                                help="Require 'Authorization: Bearer KEY' on every route but "
+                                                     "/health. Prefer $GROOVES_API_KEY: an option shows in ps.")] = None,
     adapter: Annotated[list[str] | None, typer.Option(help="Serve a checkpoint under an alias: "
                                                       "ALIAS=RUN@STEP (repeatable).")] = None,
     max_batch: Annotated[int, typer.Option(min=1, help="Most samples decoded in one batch.")] = 32,
     max_queue: Annotated[int, typer.Option(min=1, help="Queued requests before answering 429.")] = 64,
     max_adapters: Annotated[int, typer.Option(min=1, help="Adapters kept loaded at once.")] = 8,
+    max_body_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body accepted (413 beyond).")]
+    = 1 << 20,
     runs: RunsOption = None,
 ) -> None:
     """Serve the base model and the runs' checkpoints over an OpenAI-compatible HTTP API."""
-    import uvicorn
+    import logging
 
     from grooves.serve.adapters import UnknownModel
-    from grooves.serve.app import build_server, create_app
+    from grooves.serve.app import bind, build_server, serve_forever
 
     aliases = {}
     for item in adapter or []:
@@ -255,14 +258,25 @@ def serve(
         if not sep:
             raise _fail(f"--adapter {item!r}: use ALIAS=RUN@STEP")
         aliases[alias] = checkpoint
+    try:  # the port first: a busy one fails in a second, not after the model has loaded
+        sock = bind(host, port)
+    except OSError as error:
+        raise _fail(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
     try:
         server = build_server(model, runs=runs, api_key=api_key, aliases=aliases, max_batch_rows=max_batch,
-                              max_queue=max_queue, max_loaded=max_adapters)
+                              max_queue=max_queue, max_loaded=max_adapters, max_body_bytes=max_body_bytes)
     except (*_user_errors(), UnknownModel, ValueError) as error:
+        sock.close()
         raise _fail(str(error)) from None
+    handler = logging.StreamHandler()  # stderr: one line per request
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    requests_log = logging.getLogger("grooves.serve")
+    requests_log.addHandler(handler)
+    requests_log.setLevel(logging.INFO)
+    bound_host, bound_port = sock.getsockname()[:2]
     err.print(f"[bold]grooves[/]: serving {model} and the checkpoints under {server.registry.runs} "
-              f"on http://{host}:{port}/v1")
-    uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
+              f"on http://{bound_host}:{bound_port}/v1", highlight=False)
+    serve_forever(server, sock)
 
 
 @app.command()

@@ -1,112 +1,70 @@
 """``grooves serve``: an OpenAI-compatible HTTP server over one base model and many adapters.
 
-Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (streaming with SSE),
-``POST /v1/adapters``, ``DELETE /v1/adapters/{name}``, ``GET /health``. Errors use OpenAI's
-JSON shape with 4xx codes for bad requests; unexpected failures answer 500 with a short
-message (the traceback goes to the server log, never to the client).
-
-Streaming sends text as tokens arrive, holding back what could still become a stop string
-or an incomplete UTF-8 character. When the request offers tools, the reply is sent whole
-at the end (it is only known to be a tool call once it is complete).
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions`` (streaming
+with SSE), ``POST /v1/completions`` (legacy), ``POST /v1/adapters``,
+``DELETE /v1/adapters/{name}``, ``GET /health``. The edge (``edge.py``) checks the key and the
+body size, logs one line per request and answers every error in OpenAI's JSON shape;
+streaming is in ``streaming.py``, the legacy API in ``legacy.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
+import socket
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from grooves.serve.adapters import AdapterRegistry, UnknownModel
-from grooves.serve.engine import Engine, Failed, Finished, GenerationRequest, QueueFull, TokenEvent
-from grooves.serve.grammar import GrammarError, Grammars
-from grooves.serve.protocol import (
-    AdapterRequest, ApiError, ChatCompletionRequest, choice_message, chunk_body, completion_body, completion_id,
-    logprobs_block,
-)
+from grooves.serve.edge import install_edge
+from grooves.serve.engine import Engine, EngineStopped, Failed, Finished, GenerationRequest
+from grooves.serve.grammar import GrammarError
+from grooves.serve.legacy import completions
+from grooves.serve.protocol import AdapterRequest, ApiError, ChatCompletionRequest, CompletionRequest
+from grooves.serve.responses import completion_body
+from grooves.serve.server import MAX_BODY_BYTES, Server, as_api_error, event_queue, next_event, stopped_error, submit
+from grooves.serve.streaming import chat_stream
+
+__all__ = ["Server", "ServerThread", "bind", "build_server", "create_app", "serve_forever"]
 
 log = logging.getLogger("grooves.serve")
-
-
-@dataclass
-class Server:
-    policy: Any
-    registry: AdapterRegistry
-    engine: Engine
-    api_key: str | None = None
-    default_max_tokens: int = 256
-    _grammars: Grammars | None = field(default=None, repr=False)
-
-    @property
-    def context_length(self) -> int:
-        return int(getattr(self.policy.causal_lm.config, "max_position_embeddings", 2048))
-
-    @property
-    def grammars(self) -> Grammars:
-        if self._grammars is None:
-            self._grammars = Grammars(self.policy.tokenizer, self.policy.causal_lm.config.vocab_size)
-        return self._grammars
 
 
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="grooves", docs_url=None, redoc_url=None)
     app.state.server = server
-    _install_errors_and_auth(app, server)
+    install_edge(app, server)
     _install_routes(app, server)
     return app
 
 
-def _install_errors_and_auth(app: FastAPI, server: Server) -> None:
-    """OpenAI-shaped errors for every failure, and the optional bearer token on /v1 routes."""
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = f"{param}: {first['msg']}" if param else str(first["msg"])
-        return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return JSONResponse(ApiError(500, "internal server error", "server_error").body(), status_code=500)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if server.api_key and request.url.path.startswith("/v1"):
-            supplied = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(supplied.encode(), server.api_key.encode()):
-                error = ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                                 code="invalid_api_key")
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+def _model_card(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "grooves"}
 
 
 def _install_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "queued": server.engine.queue.qsize(), "batches": server.engine.batches,
+    async def health():
+        running = server.engine.running
+        body = {"status": "ok" if running else "engine stopped", "engine": "running" if running else "stopped",
+                "queued": server.engine.queue.qsize(), "batches": server.engine.batches,
                 "adapters_loaded": len(server.registry.loaded())}
+        return JSONResponse(body, status_code=200 if running else 503)
 
     @app.get("/v1/models")
     async def models() -> dict:
         ids = await run_in_threadpool(server.registry.model_ids)
-        return {"object": "list", "data": [{"id": i, "object": "model", "created": 0, "owned_by": "grooves"}
-                                           for i in ids]}
+        return {"object": "list", "data": [_model_card(i) for i in ids]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        await run_in_threadpool(server.resolve, model_id)
+        return _model_card(model_id)
 
     @app.post("/v1/adapters")
     async def add_adapter(body: AdapterRequest) -> dict:
@@ -124,157 +82,82 @@ def _install_routes(app: FastAPI, server: Server) -> None:
             await asyncio.wrap_future(server.engine.control(lambda: server.registry.remove(name)))
         except UnknownModel as error:
             raise ApiError(404, str(error), code="model_not_found") from None
+        except EngineStopped:
+            raise stopped_error() from None
         except ValueError as error:
             raise ApiError(400, str(error)) from None
         return {"id": name, "object": "model", "deleted": True}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        record = request.state.record
         generation, events = await _prepare(server, body)
-        try:
-            server.engine.submit(generation)
-        except QueueFull:
-            raise ApiError(429, "the server is busy; retry shortly", "rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"}) from None
+        record.update(model=body.model, prompt_tokens=len(generation.prompt_ids))
+        submit(server, generation)
         if body.stream:
-            return StreamingResponse(_stream(server, body, generation.prompt_ids, events),
+            return StreamingResponse(chat_stream(server, body, generation.prompt_ids, events, record),
                                      media_type="text/event-stream")
         while True:
-            event = await events.get()
+            event = await next_event(server, events)
             if isinstance(event, Finished):
+                record["completion_tokens"] = sum(len(o.token_ids) for o in event.outputs)
                 return completion_body(body, server.policy, generation.prompt_ids, event.outputs, event.adapter_step)
             if isinstance(event, Failed):
-                raise _as_api_error(event.error)
+                raise as_api_error(event.error)
+
+    @app.post("/v1/completions")
+    async def legacy_completions(body: CompletionRequest, request: Request):
+        return await completions(server, body, request.state.record)
 
 
 async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[GenerationRequest, asyncio.Queue]:
     """Validate and tokenise a request; build its generation request and its event queue."""
-    try:
-        server.registry.resolve(body.model)
-    except UnknownModel as error:
-        raise ApiError(404, str(error), code="model_not_found", param="model") from None
-    prompt_ids = await run_in_threadpool(server.policy.chat_ids, body.messages, body.tools)
+    body.check_supported()
+    server.resolve(body.model)
+    server.check_text(sum(len(m.content or "") for m in body.messages))
+    prompt_ids = await run_in_threadpool(server.policy.chat_ids, body.message_dicts, body.tool_schemas)
     room = server.context_length - len(prompt_ids)
-    max_tokens = body.max_completion_tokens or body.max_tokens or min(server.default_max_tokens, room)
-    if max_tokens > room:
-        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: more than "
-                            f"the model's {server.context_length}-token context", code="context_length_exceeded",
-                       param="max_tokens")
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(server.default_max_tokens, room))
+    server.check_room(len(prompt_ids), max_tokens)
     constraint = await run_in_threadpool(_constraint, server, body)
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
+    events, put = event_queue()
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
     generation = GenerationRequest(
-        model=body.model, prompt_ids=prompt_ids, deliver=lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
-        n=body.n, temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens, stop=body.stop_list,
-        seed=body.seed, top_logprobs=body.top_logprobs or 0, constraint=constraint, stream=body.stream,
-        ignore_eos=body.ignore_eos)
+        model=body.model, prompt_ids=prompt_ids, deliver=put, n=body.n, temperature=body.temperature,
+        top_p=body.top_p, max_tokens=max_tokens, stop=body.stop_list, seed=body.seed, top_logprobs=top_logprobs,
+        constraint=constraint, stream=body.stream, ignore_eos=body.ignore_eos)
     return generation, events
 
 
 def _constraint(server: Server, body: ChatCompletionRequest):
     """A factory of per-sample grammar constraints for forced tool calls and JSON formats, or None."""
-    try:
-        choice, fmt = body.tool_choice, body.response_format or {}
-        if body.tools and (choice == "required" or isinstance(choice, dict)):
-            name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-            server.grammars.tool_call(body.tools, name)  # compile (and validate) now, not in the worker
-            return lambda: server.grammars.tool_call(body.tools, name)
-        if fmt.get("type") == "json_object":
-            server.grammars.json_object()
-            return server.grammars.json_object
-        if fmt.get("type") == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")
-            if not isinstance(schema, dict):
-                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
-                               param="response_format")
-            server.grammars.for_schema(schema)
-            return lambda: server.grammars.for_schema(schema)
-        if fmt and fmt.get("type") != "text":
-            raise ApiError(400, "response_format.type must be text, json_object or json_schema",
+    choice, fmt = body.tool_choice, body.response_format or {}
+    tools = body.tool_schemas
+    if tools and (choice == "required" or isinstance(choice, dict)):
+        name = body.forced_tool
+        _compiled(server, "tool_choice", lambda: server.grammars.tool_call(tools, name))
+        return lambda: server.grammars.tool_call(tools, name)
+    if fmt.get("type") == "json_object":
+        _compiled(server, "response_format", server.grammars.json_object)
+        return server.grammars.json_object
+    if fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
                            param="response_format")
-    except GrammarError as error:
-        raise ApiError(400, str(error), param="response_format") from None
+        _compiled(server, "response_format", lambda: server.grammars.for_schema(schema))
+        return lambda: server.grammars.for_schema(schema)
+    if fmt and fmt.get("type") != "text":
+        raise ApiError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
     return None
 
 
-def _as_api_error(error: Exception) -> ApiError:
-    if isinstance(error, ApiError):
-        return error
-    if isinstance(error, UnknownModel):
-        return ApiError(404, str(error), code="model_not_found", param="model")
-    if isinstance(error, ValueError):
-        return ApiError(400, str(error))
-    log.error("generation failed", exc_info=error)
-    return ApiError(500, "generation failed", "server_error")
-
-
-class TextStream:
-    """Incremental text of one sample, holding back a possible stop string or partial character."""
-
-    def __init__(self, policy, stop: tuple[str, ...]):
-        self.policy, self.stop = policy, stop
-        self.ids: list[int] = []
-        self.sent = 0
-        self.hold = max((len(s) for s in stop), default=1) - 1
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.policy.decode(self.ids)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        if cuts:
-            text = text[: min(cuts)]
-        safe = len(text) - self.hold - (1 if text.endswith("\ufffd") else 0)
-        delta = text[self.sent : safe] if safe > self.sent else ""
-        self.sent += len(delta)
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        return final_text[self.sent :]
-
-
-async def _stream(server: Server, body: ChatCompletionRequest, prompt_ids: list[int],
-                  events: asyncio.Queue) -> AsyncIterator[str]:
-    chunk_id, created = completion_id(), int(time.time())
-    texts = [TextStream(server.policy, body.stop_list) for _ in range(body.n)]
-
-    def sse(payload: dict) -> str:
-        return f"data: {json.dumps(payload)}\n\n"
-
-    for index in range(body.n):
-        yield sse(chunk_body(body, chunk_id, created, index, {"role": "assistant", "content": ""}))
-    while True:
-        event = await events.get()
-        if isinstance(event, TokenEvent):
-            if body.wants_tools:
-                continue  # sent whole at the end
-            delta = texts[event.index].push(event.token)
-            logprobs = None
-            if body.logprobs:
-                text = server.policy.tokenizer.decode([event.token])
-                logprobs = {"content": [{"token": text, "logprob": event.logprob, "bytes": list(text.encode()),
-                                         "top_logprobs": []}]}
-            if delta or logprobs:
-                yield sse(chunk_body(body, chunk_id, created, event.index, {"content": delta}, logprobs=logprobs))
-        elif isinstance(event, Finished):
-            for index, output in enumerate(event.outputs):
-                message, finish = choice_message(body, output.text, output.finish_reason)
-                delta = dict(message) if body.wants_tools else {"content": texts[index].finish(output.text)}
-                delta.pop("role", None)
-                chunk = chunk_body(body, chunk_id, created, index, delta, finish_reason=finish)
-                if body.return_token_ids:
-                    chunk["choices"][0]["grooves"] = {"completion_token_ids": output.token_ids,
-                                                      "completion_logprobs": output.logprobs}
-                    chunk["grooves"] = {"prompt_token_ids": prompt_ids, "adapter_step": event.adapter_step}
-                if body.logprobs and body.wants_tools:
-                    chunk["choices"][0]["logprobs"] = logprobs_block(server.policy, output)
-                yield sse(chunk)
-            yield "data: [DONE]\n\n"
-            return
-        else:
-            error = _as_api_error(event.error)
-            yield sse(error.body())
-            yield "data: [DONE]\n\n"
-            return
+def _compiled(server: Server, param: str, make) -> None:
+    """Compile (and so validate) a grammar now, on the request's thread, not in the worker."""
+    try:
+        make()
+    except GrammarError as error:
+        raise ApiError(400, str(error), param=param) from None
 
 
 # --- running it -------------------------------------------------------------------------
@@ -282,23 +165,63 @@ async def _stream(server: Server, body: ChatCompletionRequest, prompt_ids: list[
 
 def build_server(model: str, runs=None, api_key: str | None = None, aliases: dict[str, str] | None = None,
                  device: str = "cpu", max_batch_rows: int = 32, max_queue: int = 64, max_loaded: int = 8,
-                 batch_window_s: float = 0.005) -> Server:
+                 batch_window_s: float = 0.005, max_body_bytes: int = MAX_BODY_BYTES) -> Server:
     from grooves.policy import Policy
 
     policy = Policy.load(model, device=device)
     registry = AdapterRegistry(policy, runs, aliases, max_loaded=max_loaded)
     engine = Engine(policy, registry, max_batch_rows=max_batch_rows, max_queue=max_queue,
                     batch_window_s=batch_window_s).start()
-    return Server(policy, registry, engine, api_key=api_key)
+    return Server(policy, registry, engine, api_key=api_key, max_body_bytes=max_body_bytes)
+
+
+GRACE_S = 5  # on shutdown, open connections get this long before they are closed
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn that halts the engine as soon as shutdown begins: requests waiting on it get their
+    503 at once and close, instead of holding the shutdown for as long as generation takes."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine | None):
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.engine is not None:
+            self.engine.halt()
+        await super().shutdown(sockets)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, bound now: a busy port fails here (OSError), before anything is served."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is no conflict
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_forever(server: Server, sock: socket.socket) -> None:
+    """Serve on a bound socket until SIGINT or SIGTERM; the engine stops with the server."""
+    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=GRACE_S)
+    try:
+        _Uvicorn(config, server.engine).run(sockets=[sock])
+    finally:
+        server.engine.halt()
 
 
 class ServerThread:
     """Runs an app with uvicorn on a background thread (tests, in-process rollouts)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_S)
+        self.server = _Uvicorn(config, engine=None)
         self.thread = threading.Thread(target=self.server.run, name="grooves-http", daemon=True)
 
     def __enter__(self) -> ServerThread:

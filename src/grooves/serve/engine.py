@@ -8,10 +8,16 @@ raises ``QueueFull`` at once (the server answers 429); nothing waits unboundedly
 
 Each sample gets its own random generator (seeded from the request's ``seed`` plus the
 sample's index), so a seeded request gives the same text whatever else shares its batch.
+
+The worker survives any exception: a request whose rows cannot be built fails alone, a
+failed batch fails its own requests, and the thread goes on. ``halt()`` (shutdown) makes
+the running batch stop at its next token and fails everything still queued, so no client
+waits on a worker that is gone; ``submit`` then raises ``EngineStopped``.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -26,6 +32,15 @@ from grooves.policy.decoding import Constraint, Row, RowOutput, decode
 from grooves.serve.adapters import AdapterRegistry
 
 QueueFull = queue.Full
+log = logging.getLogger("grooves.serve")
+
+
+class EngineStopped(RuntimeError):
+    """The engine is not running (shut down): the request was not, or not fully, served."""
+
+
+class _Halted(Exception):
+    """Raised from the token callback to end a batch at once when the engine halts."""
 
 
 @dataclass
@@ -33,6 +48,7 @@ class TokenEvent:
     index: int  # which of the request's n samples
     token: int
     logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token, logprob) when streamed with top_logprobs
 
 
 @dataclass
@@ -90,16 +106,28 @@ class Engine:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def halt(self) -> None:
+        """Stop without waiting: the running batch ends at its next token, queued requests fail."""
         self._stopping.set()
+
+    def stop(self) -> None:
+        self.halt()
         self._thread.join(timeout=30)
 
     def submit(self, request: GenerationRequest) -> None:
-        """Queue a request; raises QueueFull when the queue is full."""
+        """Queue a request; raises QueueFull when the queue is full, EngineStopped when not running."""
+        if not self.running:
+            raise EngineStopped("the engine is not running")
         self.queue.put_nowait(request)
 
     def control(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the worker thread between batches (model changes must happen there)."""
+        if not self.running:
+            raise EngineStopped("the engine is not running")
         future: Future = Future()
         self.queue.put(_Control(fn, future), timeout=30)
         return future
@@ -112,14 +140,39 @@ class Engine:
                 first = self.queue.get(timeout=0.1)
             except queue.Empty:
                 continue
+            self._serve(first)
+        self._drain()
+
+    def _serve(self, first) -> None:
+        """One round: a batch and the controls gathered with it. Nothing raised here ends the thread."""
+        batch, controls = [first], []
+        try:
             batch, controls = self._gather(first)
             if batch:
                 self._run_batch(batch)
-            for control in controls:
-                try:
-                    control.future.set_result(control.fn())
-                except Exception as error:
-                    control.future.set_exception(error)
+        except Exception as error:  # a bug, not a bad request: fail this round's requests, keep serving
+            log.exception("the engine failed a batch")
+            for request in batch:
+                if isinstance(request, GenerationRequest):
+                    _deliver(request, Failed(error))
+        for control in controls:
+            try:
+                control.future.set_result(control.fn())
+            except Exception as error:
+                control.future.set_exception(error)
+
+    def _drain(self) -> None:
+        """After a halt: fail whatever is still queued, so no caller waits for ever."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            stopped = EngineStopped("the server is shutting down")
+            if isinstance(item, _Control):
+                item.future.set_exception(stopped)
+            else:
+                _deliver(item, Failed(stopped))
 
     def _gather(self, first) -> tuple[list[GenerationRequest], list[_Control]]:
         """The first item plus whatever arrives within the batch window, up to the row limit."""
@@ -148,41 +201,89 @@ class Engine:
         steps: dict[int, int | None] = {}
         in_use: set[str] = set()
         for request in batch:
-            try:
+            try:  # anything wrong with one request (its model, its seed, its grammar) fails it alone
                 resolved = self.registry.resolve(request.model)
                 adapter = self.registry.acquire(resolved, in_use)
+                own = [self._row(request, index, adapter) for index in range(request.n)]
             except Exception as error:
-                request.deliver(Failed(error))
+                _deliver(request, Failed(error))
                 continue
             in_use.add(adapter)
             steps[id(request)] = resolved.step
-            for index in range(request.n):
-                generator = None
-                if request.seed is not None:
-                    generator = torch.Generator(device=self.policy.device).manual_seed(request.seed + index)
-                rows.append(Row(request.prompt_ids, request.temperature, request.top_p, request.max_tokens,
-                                request.stop, generator, adapter,
-                                request.constraint() if request.constraint else None, request.top_logprobs,
-                                request.ignore_eos))
-                owners.append((request, index))
+            rows += own
+            owners += [(request, index) for index in range(request.n)]
         if not rows:
             return
 
         def on_token(row: int, token: int, logprob: float) -> None:
+            if self._stopping.is_set():
+                raise _Halted
             request, index = owners[row]
             if request.stream:
-                request.deliver(TokenEvent(index, token, logprob))
+                probe = rows[row].constraint
+                top = probe.last if isinstance(probe, TopLogprobs) else []
+                _deliver(request, TokenEvent(index, token, logprob, top))
 
         self.batches += 1
         self.largest_batch = max(self.largest_batch, len(rows))
+        requests = list({id(r): r for r, _ in owners}.values())
         try:
             outputs = decode(self.policy, rows, on_token)
         except Exception as error:
-            for request in {id(r): r for r, _ in owners}.values():
-                request.deliver(Failed(error))
+            if isinstance(error, _Halted):
+                error = EngineStopped("the server is shutting down")
+            else:
+                log.error("a batch of %d rows failed", len(rows), exc_info=error)
+            for request in requests:
+                _deliver(request, Failed(error))
             return
         by_request: dict[int, list[RowOutput]] = {}
         for (request, _), output in zip(owners, outputs):
             by_request.setdefault(id(request), []).append(output)
-        for request in {id(r): r for r, _ in owners}.values():
-            request.deliver(Finished(by_request[id(request)], steps[id(request)]))
+        for request in requests:
+            _deliver(request, Finished(by_request[id(request)], steps[id(request)]))
+
+    def _row(self, request: GenerationRequest, index: int, adapter: str) -> Row:
+        generator = None
+        if request.seed is not None:
+            generator = torch.Generator(device=self.policy.device).manual_seed(request.seed + index)
+        constraint = request.constraint() if request.constraint else None
+        if request.stream and request.top_logprobs:
+            constraint = TopLogprobs(request.top_logprobs, constraint)
+        return Row(request.prompt_ids, request.temperature, request.top_p, request.max_tokens, request.stop,
+                   generator, adapter, constraint, request.top_logprobs, request.ignore_eos)
+
+
+def _deliver(request: GenerationRequest, event: Event) -> None:
+    """Hand an event to the request's owner; an owner that is gone (a closed loop) must not stop the worker."""
+    try:
+        request.deliver(event)
+    except Exception:
+        log.debug("an event could not be delivered (the client is gone)", exc_info=True)
+
+
+class TopLogprobs:
+    """Records each step's top logprobs of a row, for streamed chunks (the decode loop's token
+    callback gives only the chosen token's logprob).
+
+    It sits in the row's constraint slot, where the decode loop hands it the row's
+    temperature-scaled logits before any mask; it masks nothing itself and passes the call on
+    to the row's real constraint, if any, so sampling is unchanged.
+    """
+
+    def __init__(self, k: int, inner: Constraint | None):
+        self.k, self.inner = k, inner
+        self.last: list[tuple[int, float]] = []
+
+    def mask(self, logits: torch.Tensor, remaining: int) -> None:
+        values, ids = torch.log_softmax(logits.float(), dim=-1).topk(self.k)
+        self.last = list(zip(ids.tolist(), values.tolist()))
+        if self.inner is not None:
+            self.inner.mask(logits, remaining)
+
+    def accept(self, token: int) -> None:
+        if self.inner is not None:
+            self.inner.accept(token)
+
+    def is_terminated(self) -> bool:
+        return self.inner is not None and self.inner.is_terminated()

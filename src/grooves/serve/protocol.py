@@ -1,24 +1,28 @@
-"""The OpenAI chat-completions request and response shapes, and grooves' extensions.
+"""The OpenAI request shapes the server accepts, their checks, and grooves' extensions.
+
+Every field is checked here, at the edge, so nothing out of range reaches the engine: a
+``seed`` outside the 64-bit range, a NaN temperature or a malformed ``tools`` list is a 400
+that names the field (``param``). Parameters grooves cannot honour are refused (400), never
+silently ignored: ``logit_bias``, ``frequency_penalty``/``presence_penalty``, the legacy
+``functions``, audio and predicted outputs; ``parallel_tool_calls: false`` is honoured
+(at most one call is returned). Extra fields that change nothing about the output
+(``user``, ``metadata``, ``store``, ...) are accepted, as many clients send them.
 
 Extensions (``extra_body`` in the openai client): with ``"return_token_ids": true`` the
-response carries ``grooves.prompt_token_ids`` and ``grooves.adapter_step`` at the
-top level and ``grooves.completion_token_ids`` / ``grooves.completion_logprobs`` in each
-choice: the exact ids the model saw and produced, so a trajectory is rebuilt without
-re-tokenising. ``"ignore_eos": true`` makes every sample exactly ``max_tokens`` long (for
-benchmarks). Logprobs are those of the sampling distribution (logits / temperature,
-before top-p and constraints), as the trainer computes them.
+response carries ``grooves.prompt_token_ids`` and ``grooves.adapter_step`` at the top level
+and ``grooves.completion_token_ids`` / ``grooves.completion_logprobs`` in each choice: the
+exact ids the model saw and produced, so a trajectory is rebuilt without re-tokenising.
+``"ignore_eos": true`` makes every sample exactly ``max_tokens`` long (for benchmarks).
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from grooves.policy.decoding import RowOutput
-from grooves.policy.tools import parse_tool_calls
+SEED_RANGE = {"ge": -(2**63), "le": 2**63 - 1}  # what torch's generators take (plus the sample index)
+_TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class ApiError(Exception):
@@ -34,51 +38,69 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class ChatCompletionRequest(BaseModel):
-    # Unknown fields are ignored, as many clients send extras (user, metadata, store, ...).
-    model_config = ConfigDict(extra="allow")
+def unsupported(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", code="unsupported_parameter", param=param)
 
-    model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    return_token_ids: bool = False
-    ignore_eos: bool = False  # grooves extension: always generate max_tokens (for benchmarks)
 
-    @field_validator("messages")
+class _Lenient(BaseModel):
+    # Unknown fields are kept, not rejected: clients send extras; NaN and infinities are not numbers.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class FunctionSpec(_Lenient):
+    name: str = Field(pattern=_TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Lenient):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None
+
+    @field_validator("content")
     @classmethod
-    def _messages(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        out = []
-        for i, message in enumerate(messages):
-            role = message.get("role")
-            if role not in ("system", "developer", "user", "assistant", "tool"):
-                raise ValueError(f"messages[{i}].role must be system, developer, user, assistant or tool")
-            out.append({**message, "role": "system" if role == "developer" else role,
-                        "content": _text_content(message.get("content"), i)})
+    def _text(cls, content: Any) -> str | None:
+        if content is None or isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+            return "".join(p["text"] for p in content)
+        raise ValueError("must be a string or a list of text parts")
+
+    def as_dict(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_unset=True)
+        out["content"] = self.content
+        out["role"] = "system" if self.role == "developer" else self.role
         return out
 
-    @model_validator(mode="after")
-    def _supported(self) -> ChatCompletionRequest:
-        if self.frequency_penalty or self.presence_penalty:
-            raise ValueError("frequency_penalty and presence_penalty are not supported (use 0)")
-        if self.stop is not None and len(self.stop_list) > 4:
-            raise ValueError("stop takes at most 4 strings")
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class SamplingFields(_Lenient):
+    """What chat and legacy completions share."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, **SEED_RANGE)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # grooves extension: always generate max_tokens (for benchmarks)
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -87,21 +109,111 @@ class ChatCompletionRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        """Refuse what cannot be honoured (a 400 naming the parameter)."""
+        if self.frequency_penalty or self.presence_penalty:
+            param = "frequency_penalty" if self.frequency_penalty else "presence_penalty"
+            raise unsupported(param, "not supported by grooves serve (use 0)")
+        if self.logit_bias:
+            raise unsupported("logit_bias", "not supported by grooves serve")
+        if len(self.stop_list) > 4:
+            raise ApiError(400, "stop: at most 4 strings", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
+
+
+# Fields of OpenAI's chat API that change the output and that grooves does not implement.
+_REFUSED_CHAT = ("functions", "function_call", "audio", "prediction", "web_search_options")
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    modalities: list[Literal["text"]] | None = None
+    return_token_ids: bool = False
+
+    @property
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
     def wants_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def forced_tool(self) -> str | None:
+        """The function a ``tool_choice`` object names, else None."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
 
-def _text_content(content: Any, index: int) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ValueError(f"messages[{index}]: only text content parts are supported")
-            parts.append(part.get("text", ""))
-        return "".join(parts)
-    raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in _REFUSED_CHAT:
+            if (self.model_extra or {}).get(name) is not None:
+                raise unsupported(name, "not supported by grooves serve" +
+                                  (" (use tools)" if name.startswith("function") else ""))
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        self._check_tool_choice()
+
+    def _check_tool_choice(self) -> None:
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str):
+                raise ApiError(400, "tool_choice: use {'type': 'function', 'function': {'name': ...}}",
+                               param="tool_choice")
+            if function["name"] not in {t.function.name for t in self.tools or []}:
+                raise ApiError(400, f"tool_choice: {function['name']!r} is not among the request's tools",
+                               param="tool_choice")
+        elif choice == "required" and not self.tools:
+            raise ApiError(400, "tool_choice: 'required' needs tools", param="tool_choice")
+
+
+class CompletionRequest(SamplingFields):
+    """The legacy ``POST /v1/completions``: a raw text prompt, no chat template."""
+
+    prompt: str | list[str] | list[int]
+    max_tokens: int = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts, each a text or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.prompt or any(p == [] for p in self.prompts):
+            raise ApiError(400, "prompt: must not be empty", param="prompt")
+        if self.suffix:
+            raise unsupported("suffix", "not supported by grooves serve")
+        if self.best_of not in (None, 1):
+            raise unsupported("best_of", "not supported by grooves serve (use n)")
+        if self.stream and (self.echo or self.logprobs is not None):
+            param = "echo" if self.echo else "logprobs"
+            raise unsupported(param, "not supported with stream: true on /v1/completions")
 
 
 class AdapterRequest(BaseModel):
@@ -109,62 +221,3 @@ class AdapterRequest(BaseModel):
 
     name: str = Field(description="Alias to serve the checkpoint under.")
     checkpoint: str = Field(description="RUN@STEP or RUN@latest under the server's runs root.")
-
-
-# --- responses -----------------------------------------------------------------------
-
-
-def completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex[:24]}"
-
-
-def choice_message(request: ChatCompletionRequest, text: str, finish_reason: str) -> tuple[dict, str]:
-    """The assistant message (with parsed tool calls when tools were offered) and the finish reason."""
-    if request.wants_tools:
-        parsed = parse_tool_calls(text)
-        if parsed.tool_calls:
-            message = {"role": "assistant", "content": parsed.content or None,
-                       "tool_calls": [c.to_openai() for c in parsed.tool_calls]}
-            return message, "tool_calls"
-    return {"role": "assistant", "content": text}, finish_reason
-
-
-def logprobs_block(policy, output: RowOutput) -> dict[str, Any]:
-    def entry(token: int, logprob: float) -> dict[str, Any]:
-        text = policy.tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    content = []
-    for i, (token, logprob) in enumerate(zip(output.token_ids, output.logprobs)):
-        item = entry(token, logprob)
-        item["top_logprobs"] = [entry(t, lp) for t, lp in output.top_logprobs[i]] if output.top_logprobs else []
-        content.append(item)
-    return {"content": content}
-
-
-def completion_body(request: ChatCompletionRequest, policy, prompt_ids: list[int], outputs: list[RowOutput],
-                    adapter_step: int | None) -> dict[str, Any]:
-    choices = []
-    for index, output in enumerate(outputs):
-        message, finish = choice_message(request, output.text, output.finish_reason)
-        choice = {"index": index, "message": message, "finish_reason": finish,
-                  "logprobs": logprobs_block(policy, output) if request.logprobs else None}
-        if request.return_token_ids:
-            choice["grooves"] = {"completion_token_ids": output.token_ids, "completion_logprobs": output.logprobs}
-        choices.append(choice)
-    completion_tokens = sum(len(o.token_ids) for o in outputs)
-    body = {
-        "id": completion_id(), "object": "chat.completion", "created": int(time.time()), "model": request.model,
-        "choices": choices,
-        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                  "total_tokens": len(prompt_ids) + completion_tokens},
-    }
-    if request.return_token_ids:
-        body["grooves"] = {"prompt_token_ids": prompt_ids, "adapter_step": adapter_step}
-    return body
-
-
-def chunk_body(request: ChatCompletionRequest, chunk_id: str, created: int, index: int, delta: dict,
-               finish_reason: str | None = None, logprobs: dict | None = None) -> dict[str, Any]:
-    return {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": request.model,
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
