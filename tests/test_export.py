@@ -170,20 +170,22 @@ def test_bundled_export_names_its_gguf_and_loads_in_plain_peft(tmp_path):
 
     from grooves.policy.models import bundled_folder, bundled_gguf, load_model
 
-    model, _ = load_model("bundled:smollm2-135m-instruct")
+    model, tokenizer = load_model("bundled:smollm2-135m-instruct")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                       init_lora_weights=False))
     checkpoint = tmp_path / "runs" / "bun" / "checkpoints" / "step-0001"
-    peft_model.save_pretrained(checkpoint / "adapter")
+    # saved as training saves a checkpoint: base_model_name_or_path is the grooves spec
+    Policy(peft_model, tokenizer, "bundled:smollm2-135m-instruct").save_adapter(checkpoint / "adapter")
     (checkpoint / "state.json").write_text(json.dumps({"step": 1, "base_model": "bundled:smollm2-135m-instruct"}))
     runs = tmp_path / "runs"
 
     cached = CliRunner().invoke(app, ["export", "bun@1", "--out", str(tmp_path / "cached"), "--runs", str(runs)])
     assert cached.exit_code == 0, cached.output
     cache = bundled_folder("bundled:smollm2-135m-instruct").resolve()
-    assert json.loads((tmp_path / "cached" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(cache)
+    exported = json.loads((tmp_path / "cached" / "adapter_config.json").read_text())
+    assert exported["base_model_name_or_path"] == str(cache)  # was "bundled:...", which peft cannot load
     assert json.loads((cache / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
     result = CliRunner().invoke(app, ["export", "bun@1", "--out", str(tmp_path / "adapter"),
