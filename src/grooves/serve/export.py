@@ -76,8 +76,8 @@ def export_base(spec: str, out: str | Path, dtype: str = "float32", flag: str = 
     marker = Path(out) / BASE_MARKER
     if marker.is_file() and json.loads(marker.read_text()) == identity:
         return Path(out)
-    model, tokenizer = load_model(spec, dtype=dtype)
-    with _output_folder(out, flag) as tmp:
+    with _output_folder(out, flag) as tmp:  # refuses a non-empty folder before the model loads
+        model, tokenizer = load_model(spec, dtype=dtype)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / BASE_MARKER).write_text(json.dumps(identity, indent=2))
