@@ -25,7 +25,8 @@ def export_base_command(
     dtype: Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16 or float16.")] = "float32",
 ) -> None:
     """Write MODEL as a plain transformers folder (safetensors, config, tokenizer, a card naming
-    its exact weights) that AutoModelForCausalLM.from_pretrained and vLLM load."""
+    its exact weights) that AutoModelForCausalLM.from_pretrained loads; config.json names the
+    architecture, as vLLM needs."""
     from grooves.serve.export import ExportError, export_base
 
     try:
