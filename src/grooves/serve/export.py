@@ -51,11 +51,12 @@ def export_adapter(name: str, out: str | Path, runs: str | Path | None = None,
     """
     checkpoint = resolve_checkpoint(name, runs)
     spec = checkpoint_base_spec(checkpoint)
+    provenance = base_provenance(spec)  # reads the whole GGUF for the bundled model: once
     with _output_folder(out) as tmp:
         if with_base is not None:
             if Path(with_base).resolve() == Path(out).resolve():
                 raise ExportError("--with-base must be a folder other than --out")
-            base_ref = str(export_base(spec, with_base, _run_dtype(checkpoint), "--with-base").resolve())
+            base_ref = str(export_base(spec, with_base, _run_dtype(checkpoint), "--with-base", provenance).resolve())
         else:
             base_ref = default_base_ref(spec)
         for file in (checkpoint / "adapter").iterdir():
@@ -64,15 +65,16 @@ def export_adapter(name: str, out: str | Path, runs: str | Path | None = None,
         adapter_config = json.loads((tmp / "adapter_config.json").read_text())
         adapter_config["base_model_name_or_path"] = base_ref
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
-        (tmp / "README.md").write_text(model_card(checkpoint, base_ref, base_provenance(spec)))
+        (tmp / "README.md").write_text(model_card(checkpoint, base_ref, provenance))
     return Path(out)
 
 
-def export_base(spec: str, out: str | Path, dtype: str = "float32", flag: str = "--out") -> Path:
+def export_base(spec: str, out: str | Path, dtype: str = "float32", flag: str = "--out",
+                provenance: dict | None = None) -> Path:
     """Write a base model spec as a plain transformers folder (safetensors, config with its
     architecture, tokenizer) with a card naming its exact weights; ``grooves-base.json``
     records them, so a folder that already holds the same base is reused as it is."""
-    identity = {**base_provenance(spec), "dtype": dtype}
+    identity = {**(provenance or base_provenance(spec)), "dtype": dtype}
     marker = Path(out) / BASE_MARKER
     if marker.is_file() and json.loads(marker.read_text()) == identity:
         return Path(out)
