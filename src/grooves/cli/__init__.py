@@ -8,6 +8,7 @@ clear message and exits with code 2. Heavy imports happen inside the commands so
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -299,16 +300,26 @@ def merge(
 def export(
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint to export: RUN@STEP or RUN@latest.")],
     out_dir: Annotated[Path, typer.Option("--out", help="New folder for the PEFT adapter.")],
+    with_base: Annotated[Path | None, typer.Option("--with-base", help="Also write the base model as a plain "
+                                                   "transformers folder here (reused if it already holds this "
+                                                   "base) and point the adapter at it.")] = None,
     runs: RunsOption = None,
 ) -> None:
-    """Write a checkpoint's adapter as a standard PEFT folder with a model card."""
-    from grooves.serve import ExportError, export_adapter
+    """Write a checkpoint's adapter as a standard PEFT folder with a model card.
+
+    The adapter's base_model_name_or_path is a base that plain peft + transformers load: the
+    --with-base folder, else the base's own folder or hub id (for the bundled model, grooves'
+    cache folder on this machine). The model card names the exact base weights.
+    """
+    from grooves.serve.export import ExportError, export_adapter
 
     try:
-        folder = export_adapter(checkpoint, out_dir, runs=runs)
+        folder = export_adapter(checkpoint, out_dir, runs=runs, with_base=with_base)
     except (*_user_errors(), ExportError) as error:
         raise _fail(str(error)) from None
-    out.print(f"exported {checkpoint} to {folder}")
+    base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+    out.print(f"exported {checkpoint} to {folder}; its base: {base} "
+              f"(load it with peft.AutoPeftModelForCausalLM.from_pretrained)", highlight=False)
 
 
 @app.command()
@@ -330,8 +341,9 @@ def demo(
 
 
 def _register_groups() -> None:
-    from grooves.cli import envs, review, rewards, rm, sft
+    from grooves.cli import base, envs, review, rewards, rm, sft
 
+    app.add_typer(base.app, name="base")
     app.add_typer(envs.app, name="env")
     app.add_typer(rm.app, name="rm")
     app.add_typer(rewards.rubric_app, name="rubric")

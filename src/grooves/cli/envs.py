@@ -2,7 +2,8 @@
 rollout of one printed as a transcript (tool calls, results, the answer and the scores).
 
 ``try`` runs the same rollout code as training (``grooves.envs.rollout``) with the model's
-own sampler, so what it prints is what a training step would see. See docs/envs.md.
+own sampler, so what it prints is what a training step would see. NAME may also be a class
+in a file (``my_env.py:Shop``). See docs/envs.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from grooves.cli.common import RunsOption, _fail, _user_errors, out
+from grooves.cli.common import RunsOption, _fail, _user_errors, err, out
 
 app = typer.Typer(help="Agent environments: list them, try one rollout.", no_args_is_help=True)
 
@@ -42,7 +43,8 @@ def list_envs() -> None:
 
 @app.command("try")
 def try_env(
-    name: Annotated[str, typer.Argument(help="Env name (see grooves env list).")],
+    name: Annotated[str, typer.Argument(help="Env name (see grooves env list), or a class in a file: "
+                                        "my_env.py:Shop.")],
     model: Annotated[str, typer.Option(help="Model spec or checkpoint RUN@STEP.")] = "bundled:smollm2-135m-instruct",
     seed: Annotated[int, typer.Option(help="Picks the task (and seeds the env's own randomness).")] = 0,
     split: Annotated[str, typer.Option(help="Task split: train or heldout.")] = "heldout",
@@ -54,11 +56,13 @@ def try_env(
     runs: RunsOption = None,
 ) -> None:
     """Run one rollout of NAME and print the transcript: every turn, tool call and result, the
-    answer, and the env's score components with the weighted total."""
+    answer, and the env's score components with the weighted total.
+
+    Progress (loading the model, each turn, scoring) goes to stderr: a spinner on a terminal,
+    plain lines otherwise."""
     import torch
 
     from grooves.envs import load_env
-    from grooves.envs.rollout import env_groups, sampler_generate
     from grooves.policy.policy import Policy
 
     if split not in ("train", "heldout"):
@@ -69,21 +73,23 @@ def try_env(
         raise _fail(str(error.args[0] if error.args else error)) from None
     tasks = env.tasks(split, seed + 1, seed=0)
     task = tasks[seed % len(tasks)]
-    try:
-        policy = Policy.load(model, runs=runs)
-    except _user_errors() as error:
-        raise _fail(str(error)) from None
-    generator = torch.Generator().manual_seed(seed)
-    with out.status(f"rolling out {name} task {task.get('id')} ..."):
-        [group] = env_groups(policy, env, [task], 1, sampler_generate(policy, temperature, 1.0, generator),
-                             turn_tokens, seed=seed)
-    trajectory = group.trajectories[0]
+    with Progress(err) as progress:
+        progress.phase(f"loading model {model}")
+        try:
+            policy = Policy.load(model, runs=runs)
+        except _user_errors() as error:
+            raise _fail(str(error)) from None
+        generator = torch.Generator().manual_seed(seed)
+        trajectory = roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progress)
     show_transcript(trajectory.messages, show_system)
     state = trajectory.metadata["state"]
     scores = trajectory.metadata["env_scores"]
     total = sum(env.weights.get(k, 0.0) * v for k, v in scores.items())
-    out.print(f"[bold]{name}[/] · task {escape(str(task.get('id')))} · ended by {state['finish']} after "
-              f"{state['turns']} turns · {sum(trajectory.completion_mask)} model tokens", highlight=False)
+    # A turn cut by its token budget is closed by an inserted end-of-turn token (mask 0).
+    answer_cut = state["finish"] == "answer" and trajectory.completion_mask[-1] == 0
+    how = ending(env, state, turn_tokens if answer_cut else None)
+    out.print(f"[bold]{escape(name)}[/] · task {escape(str(task.get('id')))} · {how} · "
+              f"{sum(trajectory.completion_mask)} model tokens", highlight=False, soft_wrap=True)
     table = Table("score", "value", "weight")
     for key, value in scores.items():
         table.add_row(key, f"{value:.3f}", f"{env.weights.get(key, 0.0):g}")
@@ -91,6 +97,60 @@ def try_env(
     out.print(table)
     counters = {k: v for k, v in state["counters"].items() if k.startswith("tool_errors") or k == "tool_calls"}
     out.print(f"counters: {json.dumps(counters)}", highlight=False)
+
+
+def roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progress):
+    """One rollout by the training code (``grooves.envs.rollout``), turn by turn so that
+    ``progress`` can say which turn is decoding."""
+    from grooves.envs.rollout import advance, sampler_generate, start, trajectory
+
+    generate = sampler_generate(policy, temperature, 1.0, generator)
+    state = start(policy, env, task, seed)
+    try:
+        while not env.is_done(state):
+            progress.phase(f"rolling out task {task.get('id')}: turn {state.turns + 1} of at most {env.max_turns}")
+            advance(policy, env, [state], generate, turn_tokens)
+        progress.phase("scoring")
+        return trajectory(env, state)
+    finally:
+        env.close(state)
+
+
+def ending(env, state: dict, answer_cut_at: int | None = None) -> str:
+    """How the rollout ended, in words: an answer (``answer_cut_at``: the answer turn ran out
+    of its ``--turn-tokens``), or cut at which budget."""
+    turns = f"after {state['turns']} turn{'s' if state['turns'] != 1 else ''}"
+    if state["finish"] == "max_turns":
+        return f"cut at the turn budget (max_turns = {env.max_turns}) {turns}"
+    if state["finish"] == "max_tokens":
+        return f"cut at the token budget (max_tokens = {env.max_tokens}) {turns}"
+    if answer_cut_at is not None:
+        return f"ended by its answer {turns}, that turn cut at --turn-tokens {answer_cut_at}"
+    return f"ended by its answer {turns}"
+
+
+class Progress:
+    """What ``env try`` is doing: a spinner on a terminal, one plain line per phase otherwise
+    (a log or a pipe gets no control characters)."""
+
+    def __init__(self, console):
+        self.console = console
+        self.status = console.status("") if console.is_terminal else None
+
+    def __enter__(self) -> Progress:
+        if self.status is not None:
+            self.status.start()
+        return self
+
+    def phase(self, text: str) -> None:
+        if self.status is not None:
+            self.status.update(escape(text))
+        else:
+            self.console.print(f"env try: {text}", highlight=False, markup=False)
+
+    def __exit__(self, *exc) -> None:
+        if self.status is not None:
+            self.status.stop()
 
 
 def show_transcript(messages: list[dict], show_system: bool = False) -> None:

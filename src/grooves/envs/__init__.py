@@ -2,12 +2,15 @@
 
 Envs register by name. The built-in ones are listed here; a third-party package adds its
 own through the ``grooves.envs`` entry-point group (``name = "package.module:EnvClass"``).
-``grooves env list`` shows them all, ``grooves env try NAME`` runs one rollout.
+``grooves env list`` shows them all, ``grooves env try NAME`` runs one rollout. Wherever an
+env is named, ``path/to/file.py:Class`` or ``package.module:Class`` names one directly,
+loaded as reward functions are (``grooves.rewards.import_object``).
 """
 
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from grooves.envs.base import Env, State, TokenLog, Tool, make_tool, tool
 from grooves.envs.rollout import Turn, env_groups, env_metrics, sampler_generate, start, trajectory
@@ -29,17 +32,41 @@ def available() -> dict[str, str]:
 
 
 def env_class(name: str) -> type[Env]:
-    """The class registered under ``name``; an unknown name lists the known ones."""
+    """The class registered under ``name``, or named as ``file.py:Class`` / ``module:Class``;
+    an unknown name lists the known ones."""
     import importlib
 
-    known = available()
-    if name not in known:
-        raise KeyError(f"unknown env {name!r}; available: {', '.join(sorted(known))}")
-    module, _, attr = known[name].partition(":")
-    cls = getattr(importlib.import_module(module), attr)
+    if ":" in name:  # registered names have no colon
+        cls = import_env(name)
+        where = name
+    else:
+        known = available()
+        if name not in known:
+            raise KeyError(f"unknown env {name!r}; available: {', '.join(sorted(known))}, "
+                           f"or a class in a file: my_env.py:MyEnv")
+        module, _, attr = known[name].partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+        where = known[name]
     if not (isinstance(cls, type) and issubclass(cls, Env)):
-        raise TypeError(f"{known[name]} is not a grooves Env class")
+        raise TypeError(f"{where} is not a grooves Env class")
     return cls
+
+
+def import_env(path: str) -> object:
+    """What ``file.py:Class`` or ``module:Class`` names; a file that does not run (a syntax
+    error, a failed import, an exception) is one ``ValueError`` line, not a traceback."""
+    from grooves.rewards.compose import import_object
+
+    file = path.partition(":")[0]
+    if file.endswith(".py") and not Path(file).is_file():
+        raise ValueError(f"env file {file} does not exist (relative paths start from {Path.cwd()})")
+    try:
+        return import_object(path)
+    except ValueError:
+        raise
+    except Exception as error:  # the user's code failed as it loaded
+        detail = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"cannot load env {path}: {type(error).__name__}: {detail}") from None
 
 
 def load_env(name: str, /, **options) -> Env:

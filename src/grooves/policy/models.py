@@ -139,7 +139,40 @@ def bundled_folder(spec: str) -> Path:
     """The cached safetensors folder of a bundled model, converting the GGUF on first use."""
     _, gguf = bundled_gguf(spec)
     folder = cache_dir() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
-    return cached_folder(folder, lambda tmp: convert_gguf(gguf, tmp))
+    cached_folder(folder, lambda tmp: convert_gguf(gguf, tmp))
+    name_architecture(folder)
+    return folder
+
+
+def name_architecture(folder: Path) -> None:
+    """Give a cached folder's ``config.json`` its ``architectures`` if it has none.
+
+    Caches written before grooves named it say ``"architectures": null``; transformers
+    loads them by ``model_type``, but vLLM and other loaders need the class name. The
+    config is rewritten atomically, under the cache lock, so concurrent loads are safe.
+    """
+    from filelock import FileLock
+
+    config_file = folder / "config.json"
+    if json.loads(config_file.read_text()).get("architectures"):
+        return
+    with FileLock(str(folder) + ".lock"):
+        config = json.loads(config_file.read_text())
+        if config.get("architectures"):  # another process repaired it while we waited
+            return
+        config["architectures"] = [causal_lm_class_name(config["model_type"])]
+        tmp = config_file.with_name(f".config.json.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(config, indent=2))
+        os.replace(tmp, config_file)
+
+
+def causal_lm_class_name(model_type: str) -> str:
+    """The transformers causal-LM class of a ``model_type`` (``llama`` -> ``LlamaForCausalLM``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelSpecError(f"model type {model_type!r} has no causal-LM class in transformers")
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
 def cached_folder(folder: Path, build) -> Path:
@@ -197,6 +230,7 @@ def save_plain(model, tokenizer, folder: Path) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
+    config["architectures"] = [type(model).__name__]  # a GGUF-loaded config leaves it null
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(folder)
 
@@ -247,3 +281,43 @@ def tiny_model(spec: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.flo
         torch.random.set_rng_state(state)
     model.eval()
     return model, tokenizer
+
+
+# --- what a base model's weights are (for model cards) ------------------------------
+
+
+def base_provenance(spec: str) -> dict:
+    """Where a spec's weights come from, precisely enough for a model card to name them."""
+    if spec == "bundled" or spec.startswith("bundled:"):
+        return bundled_provenance(spec)
+    if spec == "tiny" or spec.startswith("tiny:"):
+        return {"spec": spec, "source": "grooves' tiny test model: random weights from seed 0"}
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return {"spec": spec, "source": f"the local model folder {path.resolve()}"}
+    return {"spec": spec, "source": f"the Hugging Face hub model {spec}"}
+
+
+def bundled_provenance(spec: str) -> dict:
+    """The bundled GGUF's package, version, file, checksum and quantisation, read from the file."""
+    import hashlib
+    from collections import Counter
+    from importlib.metadata import version
+
+    import gguf
+
+    entry, path = bundled_gguf(spec)
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields["general.file_type"]
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    return {
+        "spec": f"bundled:{spec.partition(':')[2] or 'smollm2-135m-instruct'}",
+        "package": entry.pip_name,
+        "package_version": version(entry.pip_name),
+        "gguf": entry.filename,
+        "gguf_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "gguf_file_type": gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name,
+        "tensor_types": dict(types.most_common()),
+        "token_embedding_type": next(t.tensor_type.name for t in reader.tensors if t.name == "token_embd.weight"),
+        "dequantised_to": "float32",
+    }

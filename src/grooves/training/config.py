@@ -55,8 +55,8 @@ class TasksConfig(_Section):
 class EnvConfig(_Section):
     """An agent environment (`grooves env list`): it brings its own tasks, tools and scores."""
 
-    name: str = Field(description="A registered env: 'helpdesk', 'search', or one a package registers "
-                      "(entry-point group 'grooves.envs').")
+    name: str = Field(description="A registered env: 'helpdesk', 'search', one a package registers "
+                      "(entry-point group 'grooves.envs'), or a class in a file: 'my_env.py:Shop'.")
     options: dict[str, Any] = Field(default_factory=dict, description="Env settings, e.g. max_turns, "
                                     "max_tokens (generated tokens per rollout, all turns), tool_timeout_s, "
                                     "db_seed.")
