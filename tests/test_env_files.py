@@ -110,7 +110,7 @@ tensorboard = false
 
 BROKEN = {
     "syntax.py": ("from grooves.envs import Env\n\nclass Shop(Env:\n    pass\n",
-                  "cannot load env syntax.py:Shop: SyntaxError: "),
+                  "syntax.py:3: syntax error: "),
     "imports.py": ("import not_a_module_anywhere\n", "ModuleNotFoundError: No module named 'not_a_module_anywhere'"),
     "raises.py": ("raise RuntimeError('no database')\n", "RuntimeError: no database"),
     "notenv.py": ("class Shop:\n    pass\n", "notenv.py:Shop is not a grooves Env class"),
