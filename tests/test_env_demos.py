@@ -1,6 +1,7 @@
 """Scripted rollouts and expert demonstrations: replayed through the env, scored by its own score()."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,47 @@ def test_demos_collected_from_a_served_model_keep_only_good_enough_rollouts():
         assert first["raw"] == again  # what the served model said
         strict, counts = collect(env, tasks, chat, min_score=1.0)  # a random tiny model moves nobody
         assert strict == [] and counts == {"kept": 0, "below_min_score": 2}
+
+
+def test_env_demos_writes_chats_that_grooves_sft_renders(tmp_path):
+    from typer.testing import CliRunner
+
+    from grooves.cli import app
+    from grooves.policy import Policy
+    from grooves.training.sft_data import load_examples
+
+    out = tmp_path / "demos.jsonl"
+    result = CliRunner().invoke(app, ["env", "demos", "helpdesk", "--n", "6", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "6 of 6 train tasks written" in result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and all(r["tools"] and r["messages"][0]["role"] == "system" for r in rows)
+    train, _ = load_examples(Policy.load("tiny"), str(out), heldout_fraction=0.01)
+    assert train and all(sum(e.completion_mask) > 0 for e in train)
+
+
+def test_env_replay_prints_the_scores_of_a_script_and_env_bugs_loudly(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from grooves.cli import app
+
+    monkeypatch.setenv("COLUMNS", "200")
+    env = load_env("helpdesk")
+    task = env.tasks("train", 1)[0]
+    script = tmp_path / "turns.json"
+    script.write_text(json.dumps(env.demonstrate(task)))
+    result = CliRunner().invoke(app, ["env", "replay", "helpdesk", "--task", task["id"], "--turns", str(script)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "ended by its answer after 3 turns" in text and "│ total │ 1.000 │" in text  # find, get, reply
+    script.write_text(json.dumps(["hello"]))
+    short = CliRunner().invoke(app, ["env", "replay", "helpdesk", "--task", task["id"], "--turns", str(script)])
+    assert "ended by its answer after 1 turn " in " ".join(short.output.split())
+    script.write_text(json.dumps([call_text("broken"), "done"]))  # a tool whose function cannot be called
+    contract = Path(__file__).parent / "test_env_contract.py"
+    buggy = CliRunner().invoke(app, ["env", "replay", f"{contract}:Shop", "--task", "t1", "--turns", str(script)])
+    assert buggy.exit_code == 0, buggy.output
+    assert "bug in the env's own code" in buggy.output and "missing a required argument" in buggy.output
+    script.write_text("{not json")
+    bad = CliRunner().invoke(app, ["env", "replay", "helpdesk", "--task", task["id"], "--turns", str(script)])
+    assert bad.exit_code == 2 and "--turns" in bad.output

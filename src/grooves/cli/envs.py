@@ -9,6 +9,7 @@ in a file (``my_env.py:Shop``). See docs/envs.md.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -18,7 +19,8 @@ from rich.table import Table
 
 from grooves.cli.common import RunsOption, _fail, _user_errors, err, out
 
-app = typer.Typer(help="Agent environments: list them, try one rollout.", no_args_is_help=True)
+app = typer.Typer(help="Agent environments: list them, try one rollout, replay a script, write demonstrations.",
+                  no_args_is_help=True)
 
 ROLE_STYLES = {"system": "dim", "user": "cyan", "assistant": "green", "tool": "yellow"}
 
@@ -62,15 +64,11 @@ def try_env(
     plain lines otherwise."""
     import torch
 
-    from grooves.envs import load_env
     from grooves.policy.policy import Policy
 
     if split not in ("train", "heldout"):
         raise _fail(f"--split {split!r}: allowed: train, heldout")
-    try:
-        env = load_env(name, **_options(option or []))
-    except (KeyError, ValueError, TypeError) as error:
-        raise _fail(str(error.args[0] if error.args else error)) from None
+    env = _load(name, option)
     tasks = env.tasks(split, seed + 1, seed=0)
     task = tasks[seed % len(tasks)]
     with Progress(err) as progress:
@@ -90,13 +88,110 @@ def try_env(
     how = ending(env, state, turn_tokens if answer_cut else None)
     out.print(f"[bold]{escape(name)}[/] · task {escape(str(task.get('id')))} · {how} · "
               f"{sum(trajectory.completion_mask)} model tokens", highlight=False, soft_wrap=True)
+    show_scores(env, scores, state["counters"], state["data"])
+
+
+def show_scores(env, scores: dict[str, float], counters: dict, data: dict) -> None:
+    """The score table with the weighted total, the tool counters, and any bug in the env's own code."""
     table = Table("score", "value", "weight")
     for key, value in scores.items():
         table.add_row(key, f"{value:.3f}", f"{env.weights.get(key, 0.0):g}")
+    total = sum(env.weights.get(k, 0.0) * v for k, v in scores.items())
     table.add_row("[bold]total[/]", f"[bold]{total:.3f}[/]", "")
     out.print(table)
-    counters = {k: v for k, v in state["counters"].items() if k.startswith("tool_errors") or k == "tool_calls"}
-    out.print(f"counters: {json.dumps(counters)}", highlight=False)
+    shown = {k: v for k, v in counters.items() if k.startswith("tool_errors") or k == "tool_calls"}
+    out.print(f"counters: {json.dumps(shown)}", highlight=False)
+    if data.get("env_bugs"):  # the env author's mistake, not the model's: said loudly
+        out.print(Panel(escape("\n".join(data["env_bugs"])), title="bug in the env's own code (tool_errors/env_bug)",
+                        border_style="bold red"))
+
+
+@app.command("replay")
+def replay_env(
+    name: Annotated[str, typer.Argument(help="Env name, or a class in a file: my_env.py:Shop.")],
+    task_id: Annotated[str, typer.Option("--task", help="The task's id (train or held-out).")],
+    turns: Annotated[Path, typer.Option("--turns", help="A JSON list of assistant turns (strings; tool calls "
+                                        "written <tool_call>{...}</tool_call>).")],
+    seed: Annotated[int, typer.Option(help="Seeds the env's own randomness.")] = 0,
+    option: Annotated[list[str] | None, typer.Option("--option", "-o", help="Env setting KEY=VALUE.")] = None,
+    show_system: Annotated[bool, typer.Option(help="Also print the system prompt (with the tools).")] = False,
+) -> None:
+    """Play scripted assistant turns through NAME, no model involved, and print the transcript and
+    the env's scores: check an env's oracle, or a transcript, against its own scoring."""
+    from grooves.envs.replay import replay
+
+    env = _load(name, option)
+    try:
+        script = json.loads(turns.read_text())
+    except (OSError, ValueError) as error:
+        raise _fail(f"--turns {turns}: {error}") from None
+    if not isinstance(script, list) or not all(isinstance(t, str) for t in script):
+        raise _fail(f"--turns {turns}: must be a JSON list of strings, one per assistant turn")
+    task = next((t for split in ("train", "heldout") for t in env.tasks(split) if str(t.get("id")) == task_id), None)
+    if task is None:
+        raise _fail(f"env {name} has no task {task_id!r}")
+    result = replay(env, task, script, seed)
+    show_transcript(result.messages, show_system)
+    how = {"script_ended": "the script ended before an answer"}.get(result.finish) or ending(
+        env, {"finish": result.finish, "turns": result.turns})
+    out.print(f"[bold]{escape(name)}[/] · task {escape(task_id)} · {how}", highlight=False, soft_wrap=True)
+    show_scores(env, result.scores, result.counters, result.data)
+
+
+@app.command("demos")
+def demos(
+    name: Annotated[str, typer.Argument(help="Env name, or a class in a file: my_env.py:Shop.")],
+    out_file: Annotated[Path, typer.Option("--out", help="JSONL file to write (one chat per line).")],
+    split: Annotated[str, typer.Option(help="Task split: train (what SFT should use) or heldout.")] = "train",
+    n: Annotated[int | None, typer.Option("--n", min=1, help="Tasks to demonstrate (default: all).")] = None,
+    seed: Annotated[int, typer.Option(help="Picks and orders the tasks.")] = 0,
+    base_url: Annotated[str | None, typer.Option(help="Collect from a model on this OpenAI-compatible endpoint "
+                                                 "instead of the env's own demonstrations.")] = None,
+    model: Annotated[str | None, typer.Option(help="With --base-url: the model name.")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY", help="With --base-url: the key "
+                                                "($OPENAI_API_KEY).")] = None,
+    min_score: Annotated[float, typer.Option(help="With --base-url: keep rollouts whose weighted score (a share "
+                                             "of the weights' sum) is at least this.")] = 1.0,
+    temperature: Annotated[float, typer.Option(min=0.0, help="With --base-url: sampling temperature.")] = 0.0,
+    option: Annotated[list[str] | None, typer.Option("--option", "-o", help="Env setting KEY=VALUE.")] = None,
+) -> None:
+    """Write demonstrations of NAME's tasks as chat JSONL for grooves sft: the env's expert
+    transcripts replayed and kept only at full score, or a model's rollouts that score well enough."""
+    from grooves.envs.replay import collect, demonstrations, endpoint_chat
+
+    if split not in ("train", "heldout"):
+        raise _fail(f"--split {split!r}: allowed: train, heldout")
+    if base_url is not None and model is None:
+        raise _fail("--base-url needs --model")
+    env = _load(name, option)
+    tasks = env.tasks(split, n, seed=seed)
+    try:
+        if base_url is None:
+            kept, counts = demonstrations(env, tasks, seed)
+        else:
+            kept, counts = collect(env, tasks, endpoint_chat(base_url, model, api_key, temperature), min_score, seed)
+    except NotImplementedError as error:
+        raise _fail(f"{error}; collect from a model instead: --base-url URL --model NAME") from None
+    except OSError as error:  # the endpoint could not be reached
+        raise _fail(f"{base_url}: {error}") from None
+    from grooves.training.store import write_atomic
+
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tools = env.tool_schemas() or None
+    write_atomic(out_file, "".join(json.dumps({**r.record(), "tools": tools}) + "\n" for r in kept))
+    details = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items() if k != "kept")
+    out.print(f"{len(kept)} of {len(tasks)} {split} tasks written to {out_file} ({details})", highlight=False)
+    if split == "heldout":
+        err.print("[yellow]warning[/]: these are held-out tasks: train on them and the held-out score means nothing")
+
+
+def _load(name: str, option: list[str] | None):
+    from grooves.envs import load_env
+
+    try:
+        return load_env(name, **_options(option or []))
+    except (KeyError, ValueError, TypeError) as error:
+        raise _fail(str(error.args[0] if error.args else error)) from None
 
 
 def roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progress):

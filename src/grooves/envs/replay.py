@@ -32,6 +32,7 @@ class Replay:
     finish: str  # "answer", "max_turns", or "script_ended" when the turns ran out first
     turns: int
     counters: dict[str, int] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)  # the env's state.data at the end
 
     @property
     def full_score(self) -> bool:
@@ -51,7 +52,8 @@ def replay(env: Env, task: Task, turns: list[str], seed: int = 0) -> Replay:
         if not env.is_done(state):
             env.finish(state, None, "max_turns" if state.turns >= env.max_turns else "script_ended")
         scores = {name: float(value) for name, value in env.score(state).items()}
-        return Replay(task, list(state.messages), scores, state.finish, state.turns, dict(state.counters))
+        return Replay(task, list(state.messages), scores, state.finish, state.turns, dict(state.counters),
+                      dict(state.data))
     finally:
         env.close(state)
 
@@ -109,7 +111,8 @@ def collect(env: Env, tasks: list[Task], chat: Chat, min_score: float = 1.0, see
                 if not env.is_done(state):
                     env.finish(state, None, "max_turns")
                 scores = {name: float(value) for name, value in env.score(state).items()}
-                return Replay(task, list(state.messages), scores, state.finish, state.turns, dict(state.counters))
+                return Replay(task, list(state.messages), scores, state.finish, state.turns, dict(state.counters),
+                              dict(state.data))
             finally:
                 env.close(state)
 
