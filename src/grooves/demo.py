@@ -18,7 +18,7 @@ from rich.table import Table
 
 from grooves.training.api import run_config
 from grooves.training.config import load_config
-from grooves.training.loop import Run
+from grooves.training.runfolder import Run
 from grooves.training.rollout import Evaluation
 
 

@@ -27,7 +27,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from grooves.policy.models import ModelSpecError
     from grooves.tasks.sources import TaskSourceError
     from grooves.training.config import ConfigError
-    from grooves.training.loop import NothingToResumeError, RunExistsError
+    from grooves.training.runfolder import NothingToResumeError, RunExistsError
     from grooves.training.runlock import RunLockedError
 
     return (ConfigError, CheckpointError, ModelSpecError, TaskSourceError, RunExistsError, NothingToResumeError,

@@ -2,7 +2,7 @@
 
 from grooves.training.api import run_config, train
 from grooves.training.config import ConfigError, OptimConfig, RunConfig, load_config
-from grooves.training.loop import Run, RunExistsError
+from grooves.training.runfolder import Run, RunExistsError
 from grooves.training.sft import SFTConfig, sft
 from grooves.training.trainer import Trainer
 

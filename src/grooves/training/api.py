@@ -15,7 +15,8 @@ from grooves.progress import Reporter
 from grooves.rewards.compose import Reward, as_reward, import_object
 from grooves.tasks.sources import load_tasks, split_tasks
 from grooves.training.config import ConfigError, RewardConfig, RunConfig, TasksConfig, parse_config
-from grooves.training.loop import Run, StopRule, TrainingRun
+from grooves.training.loop import StopRule, TrainingRun
+from grooves.training.runfolder import Run
 from grooves.training.reward_config import ComponentBuildError, build_components
 from grooves.training.tasksets import TaskSet
 from grooves.types import Task

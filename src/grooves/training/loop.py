@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import statistics
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,39 +32,13 @@ from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
 from grooves.training.config import ConfigError, RunConfig, dump_config
 from grooves.training.rollout import Evaluation, completion_stats, evaluate, reward_metrics, rollout_groups
+from grooves.training.runfolder import GracefulStop, Run, resume_point
 from grooves.training.runlock import RunLock
 from grooves.training.sinks import MetricSinks
 from grooves.training.store import RunStore
 from grooves.training.tasksets import TaskMix, TaskSet
 from grooves.training.trainer import Trainer
 from grooves.types import Group, Task
-
-
-class RunExistsError(RuntimeError):
-    """The run folder already holds a run and resume was not asked for."""
-
-
-class NothingToResumeError(RuntimeError):
-    """Resume was asked for, but the run folder holds no run."""
-
-
-@dataclass
-class Run:
-    """What a finished (or stopped) run leaves behind."""
-
-    name: str
-    dir: Path
-    step: int
-    metrics: list[dict] = field(default_factory=list)
-    evaluations: dict[int, Evaluation] = field(default_factory=dict)
-    # Why the run ended before its budget: "pause" or "stop" (an alert or the stop rule), "failed"
-    # (train.max_failed_steps steps in a row did nothing), "interrupt" (Ctrl-C, after a checkpoint).
-    halted_by: str | None = None
-    halt_reason: str | None = None
-
-    @property
-    def checkpoint(self) -> str:
-        return f"{self.name}@latest"
 
 
 class TrainingRun:
@@ -408,27 +379,6 @@ class TrainingRun:
         return values
 
 
-def resume_point(run_dir: Path, resume: bool, resume_command: str, console: Console) -> Path | None:
-    """Check the run folder against ``resume`` and return the checkpoint to continue from: the
-    newest one that verifies (damaged newer ones are set aside and named), or None."""
-    has_run = (run_dir / "metrics.jsonl").exists() or ckpt.latest_checkpoint(run_dir)
-    if has_run and not resume:
-        raise RunExistsError(f"{run_dir} already holds a run: resume with `{resume_command}` to continue it, "
-                             f"or give the new run another name")
-    if resume and not has_run:
-        raise NothingToResumeError(f"nothing to resume: {run_dir} holds no run yet (start it without resuming)")
-    if not resume:
-        return None
-    ckpt.clean_partial(run_dir)
-    latest, corrupt = ckpt.set_aside_corrupt(run_dir)
-    for step, problem in corrupt:
-        console.print(f"[yellow]checkpoint step {step} is corrupt[/] ({escape(problem)}); set aside as "
-                      f"checkpoints/corrupt-{ckpt.step_dirname(step)}")
-    if corrupt and latest is not None:
-        console.print(f"resuming from the newest complete checkpoint, {latest.name}")
-    return latest
-
-
 StopRule = Callable[[int, dict[str, float], dict[int, Evaluation]], "str | None"]
 """``rule(step, metrics, evaluations) -> reason`` ends a run early (e.g. a probe whose held-out
 reward has clearly risen); None lets it go on."""
@@ -443,31 +393,6 @@ def alert_panel(alert: Alert, action: str) -> Panel:
     style = "red" if alert.severity == "critical" else "yellow"
     return Panel(Text("\n".join(lines)), border_style=style,
                  title=f"alert: {alert.detector} ({alert.severity}, step {alert.step}) -> {action}")
-
-
-class GracefulStop:
-    """First Ctrl-C: finish the current step, checkpoint it and stop. Second Ctrl-C: abort now."""
-
-    def __init__(self, console: Console):
-        self.console = console
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self) -> GracefulStop:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.console.print("[yellow]stopping after this step and saving a checkpoint "
-                           "(Ctrl-C again to abort without saving)[/]")
 
 
 def _rewards(group: Group) -> torch.Tensor:

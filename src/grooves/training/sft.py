@@ -28,7 +28,7 @@ from grooves.policy.policy import Policy
 from grooves.tasks.sources import TaskStream
 from grooves.training import checkpoint as ckpt
 from grooves.training.config import ModelConfig, OptimConfig, _Section, dump_config, plain_folder_name
-from grooves.training.loop import GracefulStop, Run, resume_point
+from grooves.training.runfolder import GracefulStop, Run, resume_point
 from grooves.training.runlock import RunLock
 from grooves.training.sinks import MetricSinks
 from grooves.training.store import RunStore
