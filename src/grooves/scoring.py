@@ -1,4 +1,5 @@
-"""What a scorer reads from a task: its input text, its named arguments, judge-talk patterns.
+"""What a scorer reads from a task: its input text, its named arguments, judge-talk patterns,
+and how untrusted text is quoted inside a judge's prompt.
 
 A leaf shared by the rewards (judges, guards, verifiers) and the monitors, so the
 hacking detectors read a task exactly as the reward does without importing it.
@@ -6,6 +7,7 @@ hacking detectors read a task exactly as the reward does without importing it.
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 from grooves.types import Group, Trajectory
@@ -21,6 +23,12 @@ INJECTION_PATTERNS = (
     r"\bthis (?:output|answer|response) (?:is|deserves) (?:perfect|excellent|a 10|the best)",
 )
 """Text that addresses or instructs a judge (case-insensitive regular expressions)."""
+
+
+def quoted(text: str) -> str:
+    """Untrusted text for inside a prompt's ``<input>``/``<output>`` frame: ``&``, ``<`` and ``>``
+    escaped (``&amp;``, ``&lt;``, ``&gt;``), so it cannot close the frame or open one of its own."""
+    return html.escape(str(text), quote=False)
 
 
 class MissingColumn(ValueError):
