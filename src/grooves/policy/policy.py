@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from grooves.policy.checkpoints import checkpoint_base_spec, is_checkpoint_name, resolve_checkpoint
 from grooves.policy.lora import LoRA
 from grooves.policy.models import BUNDLED_DEFAULT, load_model
-from grooves.policy.rendering import encode_rendered, render_literal, special_strings, spells_special
+from grooves.policy.rendering import encode_rendered, render_literal, special_pattern, spells_special
 from grooves.policy.tools import fallback_messages, template_supports_tools
 from grooves.types import Message
 
@@ -106,8 +107,8 @@ class Policy:
     # stay text: see grooves.policy.rendering. Chats without such text take the plain path.
 
     @functools.cached_property
-    def _specials(self) -> list[str]:
-        return special_strings(self.tokenizer)
+    def _specials(self) -> re.Pattern:
+        return special_pattern(self.tokenizer)
 
     def _spells_special(self, messages: list[Message], tools: list[dict] | None) -> bool:
         return spells_special(messages, self._specials) or spells_special(tools, self._specials)

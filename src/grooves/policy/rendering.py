@@ -26,17 +26,18 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def special_strings(tokenizer) -> list[str]:
-    """The strings ``encode`` turns into special tokens, longest first (so the longest wins)."""
+def special_pattern(tokenizer) -> re.Pattern:
+    """What ``encode`` turns into special tokens, as one pattern (longest first, so the longest wins)."""
     found = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
     found.update(tokenizer.all_special_tokens)
-    return sorted((s for s in found if s), key=len, reverse=True)
+    ordered = sorted((s for s in found if s), key=len, reverse=True)
+    return re.compile("|".join(re.escape(s) for s in ordered) or r"(?!)")  # (?!) never matches
 
 
-def spells_special(value: Any, specials: list[str]) -> bool:
+def spells_special(value: Any, specials: re.Pattern) -> bool:
     """Whether any string inside ``value`` (nested dicts and lists) contains a special token's text."""
     if isinstance(value, str):
-        return any(s in value for s in specials)
+        return specials.search(value) is not None
     if isinstance(value, dict):
         return any(spells_special(v, specials) for v in value.values())
     if isinstance(value, (list, tuple)):
@@ -55,9 +56,9 @@ class Rendered:
 class _Masker:
     """Replaces special-token text inside strings with numbered sentinels and puts it back."""
 
-    def __init__(self, specials: list[str]):
+    def __init__(self, specials: re.Pattern):
         self.nonce = f"GRVLIT{uuid.uuid4().hex}N"  # random: message text cannot forge it
-        self.pattern = re.compile("|".join(re.escape(s) for s in specials))
+        self.pattern = specials
         self.originals: list[str] = []
 
     def mask(self, value: Any) -> Any:
@@ -87,7 +88,7 @@ class _Masker:
         return Rendered("".join(parts), spans)
 
 
-def render_literal(specials: list[str], messages: list, tools: list | None,
+def render_literal(specials: re.Pattern, messages: list, tools: list | None,
                    template: Callable[[list, list | None], str]) -> Rendered:
     """``template(messages, tools)`` with special-token text inside them marked as literal."""
     masker = _Masker(specials)
@@ -95,14 +96,14 @@ def render_literal(specials: list[str], messages: list, tools: list | None,
     return masker.unmask(template(masker.mask(messages), masked_tools))
 
 
-def encode_rendered(tokenizer, specials: list[str], rendered: Rendered, start: int = 0) -> list[int]:
+def encode_rendered(tokenizer, specials: re.Pattern, rendered: Rendered, start: int = 0) -> list[int]:
     """Ids of ``rendered.text[start:]``: the template's special tokens as themselves, literal text as text."""
     text, literal = rendered.text, rendered.literal
     starts = [a for a, _ in literal]
     ids: list[int] = []
     position = start
-    for match in re.finditer("|".join(re.escape(s) for s in specials), text[start:]):
-        begin, end = match.start() + start, match.end() + start
+    for match in specials.finditer(text, start):
+        begin, end = match.start(), match.end()
         if _overlaps(begin, end, literal, starts):
             continue  # message text that spells a special token: encoded with its neighbours as text
         ids += _text_ids(tokenizer, text[position:begin])
