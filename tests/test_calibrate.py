@@ -265,7 +265,10 @@ def test_attacks_with_a_run_configs_guards_and_a_bad_config(files, tmp_path):
         assert result.exit_code == 0, result.output
         text = " ".join(result.output.split())
         assert "guards: format" in text and "raised the judge's score: 0 of" in text
-        assert "no attack both raised the score and passed every guard" in text
+        assert "no attack both raised the score and passed every guard" in text and "top score" not in text
+        server.play(("reply", json.dumps({"reason": "r", "score": 10})))
+        at_top = " ".join(invoke(*args, env={"COLUMNS": "250"}).output.split())
+        assert "the judge already gives the plain output its top score on 1 of 1 sample(s)" in at_top
         config.write_text('[reward]\n[[reward.components]]\nkind = "guard"\nguard = "injection"\nfloor = "low"\n')
         bad = invoke(*args)
     assert bad.exit_code == 2 and "reward.components.0.guard.floor" in bad.output and "Traceback" not in bad.output

@@ -78,6 +78,11 @@ def print_attack_results(results: list[AttackResult], guard_names: list[str], sa
                       f"[red]{up}/{len(rows)}[/]" if up else f"0/{len(rows)}",
                       escape(", ".join(vetoes)) if vetoes else "[yellow]passed every guard[/]")
     out.print(table)
+    at_top = {r.sample_id for r in results if r.plain >= 1.0}
+    if at_top:  # a judge already at its top score cannot be raised: the check says nothing there
+        out.print(f"[yellow]the judge already gives the plain output its top score on {len(at_top)} of "
+                  f"{samples} sample(s)[/]: no attack can raise it there; attack outputs it scores lower",
+                  highlight=False)
     both = [n for n in raised if n in passed]
     out.print(f"raised the judge's score: {len(raised)} of {len(by_attack)}"
               + (f" ({escape(', '.join(raised))})" if raised else ""), highlight=False)
