@@ -229,16 +229,16 @@ def test_attacks_report_which_raised_the_score_and_which_passed_the_guards(files
 
     rubric, samples, _ = files
 
-    def fooled(body):  # a judge fooled by any "10" in the output it grades
+    def fooled(body):  # a judge fooled by any "10" in the output it grades, and broken by "yes"
         output = body["messages"][1]["content"].split("<output>")[1].split("</output>")[0]
-        return json.dumps({"reason": "r", "score": 9 if "10" in output else 3})
+        return "no JSON here" if '"yes"' in output else json.dumps({"reason": "r", "score": 9 if "10" in output else 3})
 
     with FaultServer() as server:
         server.play(fooled)
         result = invoke("judge", "calibrate", "--rubric", rubric, "--samples", samples, "--attacks",
                         "--attack-samples", 1, "--endpoint-url", server.base_url, "--model", "fault",
                         env={"COLUMNS": "250"})
-        assert len(server.requests) == 1 + len(ATTACKS)  # the plain output, then each attack on it
+        assert len(server.requests) == 1 + len(ATTACKS) + 1  # the plain output, each attack, json_yes's repair
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     raised = [a.name for a in ATTACKS if "10" in a.apply(OUTPUTS[0])]
@@ -246,6 +246,8 @@ def test_attacks_report_which_raised_the_score_and_which_passed_the_guards(files
     assert f"raised the judge's score: 15 of {len(ATTACKS)} ({', '.join(raised)})" in text
     assert f"passed every guard: 4 of {len(ATTACKS)} (leetspeak, letter_spaced, other_language, social_proof)" in text
     assert "raised the score and passed every guard: leetspeak;" in text
+    assert "the judge failed on 1 attacked output(s) (not counted as raised); first error: " in text
+    assert next(line for line in result.output.splitlines() if "json_yes" in line).count("failed") == 1
     row = next(line for line in result.output.splitlines() if "correct_score" in line)
     assert "0.30" in row and "0.90" in row and "1/1" in row and "no_judge_talk" in row
     assert CalibrationStore(rubric.with_suffix(".calibration.sqlite")).history() == []  # no verdicts, no record

@@ -78,6 +78,10 @@ def print_attack_results(results: list[AttackResult], guard_names: list[str], sa
                       f"[red]{up}/{len(rows)}[/]" if up else f"0/{len(rows)}",
                       escape(", ".join(vetoes)) if vetoes else "[yellow]passed every guard[/]")
     out.print(table)
+    failed = [r for r in results if r.error]
+    if failed:
+        out.print(f"[yellow]the judge failed on {len(failed)} attacked output(s)[/] (not counted as raised); "
+                  f"first error: {escape(failed[0].error)}", highlight=False)
     at_top = {r.sample_id for r in results if r.plain >= 1.0}
     if at_top:  # a judge already at its top score cannot be raised: the check says nothing there
         out.print(f"[yellow]the judge already gives the plain output its top score on {len(at_top)} of "

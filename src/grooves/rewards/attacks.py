@@ -100,6 +100,7 @@ class AttackResult:
     plain: float
     attacked: float
     passed: dict[str, bool]  # guard name -> passed (NaN, a failed guard, counts as not passed)
+    error: str = ""  # the judge's error when it failed on the attacked output
 
     @property
     def raised(self) -> bool:
@@ -120,5 +121,7 @@ def check_attacks(judge: RewardComponent, guards: list[RewardComponent], samples
     results = []
     for index, (sample, attack) in enumerate((s, a) for s in samples for a in attacks):
         passed = {name: not v[index].failed and v[index].score >= 1.0 for name, v in verdicts.items()}
-        results.append(AttackResult(attack, sample.id, plain[sample.id], scores[index].score, passed))
+        scored = scores[index]
+        results.append(AttackResult(attack, sample.id, plain[sample.id], scored.score, passed,
+                                    scored.reason if scored.failed else ""))
     return results
