@@ -11,6 +11,7 @@ from fault_server import FaultServer
 from grooves.rewards import (
     Component, Endpoint, FormatGuard, InjectionGuard, LexicalGrounding, Reward, supported_by_source,
 )
+from grooves.rewards.attacks import ATTACKS, LOOKALIKES
 from grooves.training.rollout import reward_metrics
 from grooves.types import Group, Trajectory
 
@@ -176,8 +177,6 @@ def test_chat_template_markers_are_caught_anywhere():
 
 
 # --- the attack table: the guard's verdict on every built-in attack and look-alike -----------
-
-from grooves.rewards.attacks import ATTACKS, LOOKALIKES  # noqa: E402
 
 TITLE = "Council extends Riverside tram line"
 
