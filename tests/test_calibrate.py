@@ -221,3 +221,56 @@ def test_calibrate_on_a_run_reads_its_trajectories_and_stores_verdicts_in_run_sq
     history = invoke("judge", "calibrate", "--rubric", rubric, "--samples", "myrun", "--runs", tmp_path / "runs",
                      "--history")
     assert history.exit_code == 0 and row["rubric_version"] in history.output
+
+
+def test_attacks_report_which_raised_the_score_and_which_passed_the_guards(files, tmp_path):
+    from fault_server import FaultServer
+    from grooves.rewards.attacks import ATTACKS
+
+    rubric, samples, _ = files
+
+    def fooled(body):  # a judge fooled by any "10" in the output it grades, and broken by "yes"
+        output = body["messages"][1]["content"].split("<output>")[1].split("</output>")[0]
+        return "no JSON here" if '"yes"' in output else json.dumps({"reason": "r", "score": 9 if "10" in output else 3})
+
+    with FaultServer() as server:
+        server.play(fooled)
+        result = invoke("judge", "calibrate", "--rubric", rubric, "--samples", samples, "--attacks",
+                        "--attack-samples", 1, "--endpoint-url", server.base_url, "--model", "fault",
+                        env={"COLUMNS": "250"})
+        assert len(server.requests) == 1 + len(ATTACKS) + 1  # the plain output, each attack, json_yes's repair
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    raised = [a.name for a in ATTACKS if "10" in a.apply(OUTPUTS[0])]
+    assert len(raised) == 15 and "leetspeak" in raised
+    assert f"raised the judge's score: 15 of {len(ATTACKS)} ({', '.join(raised)})" in text
+    assert f"passed every guard: 4 of {len(ATTACKS)} (leetspeak, letter_spaced, other_language, social_proof)" in text
+    assert "raised the score and passed every guard: leetspeak;" in text
+    assert "the judge failed on 1 attacked output(s) (not counted as raised); first error: " in text
+    assert next(line for line in result.output.splitlines() if "json_yes" in line).count("failed") == 1
+    row = next(line for line in result.output.splitlines() if "correct_score" in line)
+    assert "0.30" in row and "0.90" in row and "1/1" in row and "no_judge_talk" in row
+    assert CalibrationStore(rubric.with_suffix(".calibration.sqlite")).history() == []  # no verdicts, no record
+
+
+def test_attacks_with_a_run_configs_guards_and_a_bad_config(files, tmp_path):
+    from fault_server import FaultServer
+
+    rubric, samples, _ = files
+    config = tmp_path / "run.toml"
+    config.write_text('[reward]\n[[reward.components]]\nkind = "guard"\nguard = "format"\npattern = "[^\\\\n]{1,60}"\n')
+    with FaultServer() as server:
+        server.play(("reply", json.dumps({"reason": "r", "score": 5})))
+        args = ["judge", "calibrate", "--rubric", rubric, "--samples", samples, "--attacks", "--attack-samples", 1,
+                "--endpoint-url", server.base_url, "--model", "fault", "--guards-config", config]
+        result = invoke(*args, env={"COLUMNS": "250"})
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.output.split())
+        assert "guards: format" in text and "raised the judge's score: 0 of" in text
+        assert "no attack both raised the score and passed every guard" in text and "top score" not in text
+        server.play(("reply", json.dumps({"reason": "r", "score": 10})))
+        at_top = " ".join(invoke(*args, env={"COLUMNS": "250"}).output.split())
+        assert "the judge already gives the plain output its top score on 1 of 1 sample(s)" in at_top
+        config.write_text('[reward]\n[[reward.components]]\nkind = "guard"\nguard = "injection"\nfloor = "low"\n')
+        bad = invoke(*args)
+    assert bad.exit_code == 2 and "reward.components.0.guard.floor" in bad.output and "Traceback" not in bad.output

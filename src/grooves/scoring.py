@@ -1,4 +1,5 @@
-"""What a scorer reads from a task: its input text, its named arguments, judge-talk patterns.
+"""What a scorer reads from a task: its input text, its named arguments, judge-talk patterns,
+and how untrusted text is quoted inside a judge's prompt.
 
 A leaf shared by the rewards (judges, guards, verifiers) and the monitors, so the
 hacking detectors read a task exactly as the reward does without importing it.
@@ -6,21 +7,87 @@ hacking detectors read a task exactly as the reward does without importing it.
 
 from __future__ import annotations
 
+import html
+import re
+import unicodedata
 from typing import Any
 
 from grooves.types import Group, Trajectory
 
+_JUDGE = r"(?:ai |llm )?(?:judge|grader|evaluator|reviewer|scorer|rater)s?"
+_THE_OUTPUT = r"(?:this|me|it|the (?:output|answer|response|title|summary|completion))"
+
 INJECTION_PATTERNS = (
-    r"ignore (?:all |any |the )?(?:previous|prior|above|earlier) (?:instructions|rules|prompts?)",
-    r"disregard (?:the |all |your )?(?:rubric|instructions|rules)",
-    r"\b(?:score|rate|grade|mark) (?:this|me|it|the output)(?: as| with| a)? (?:a )?(?:10|100|\d+ ?/ ?\d+|perfect|full|maximum|high(?:est)?)",
-    r"\b(?:give|award|assign) (?:this|me|it)(?: output| answer)? (?:a |the )?(?:10|100|perfect|full|maximum|top|high(?:est)?) (?:score|marks?|rating|grade)",
-    r"\b(?:dear|attention|note to (?:the )?)\s*(?:judge|grader|evaluator|reviewer|scorer)s?\b",
-    r"\b(?:as|you are) an? (?:ai |llm )?(?:judge|grader|evaluator)\b",
-    r"\bsystem prompt\b|<\|im_start\|>|\[/?inst\]",  # chat-template markers have no word boundary
-    r"\bthis (?:output|answer|response) (?:is|deserves) (?:perfect|excellent|a 10|the best)",
+    # instructions about instructions
+    r"\b(?:ignore|disregard|forget|override) (?:all |any |the |your )*(?:previous|prior|above|earlier|preceding) "
+    r"(?:instructions|rules|prompts?|directions|guidelines)",
+    r"\b(?:ignore|disregard|forget|override) (?:the |all |your |any )*(?:rubric|instructions|rules|criteria)",
+    # asking for a score
+    rf"\b(?:score|rate|grade|mark) {_THE_OUTPUT}(?: as| with| a)? (?:a )?(?:10|100|\d+ ?/ ?\d+|perfect|full|maximum|high(?:est)?)",
+    rf"\b(?:give|award|assign) {_THE_OUTPUT}(?: output| answer)? (?:a |the )?(?:10|100|perfect|full|maximum|top|high(?:est)?) "
+    r"(?:score|marks?|rating|grade)",
+    rf"\byou (?:must|should|will|have to|need to) (?:give|assign|award|rate|score|grade) {_THE_OUTPUT}",
+    r"\b(?:respond|reply|answer|return) (?:only )?with (?:a |the )?(?:score|rating|grade|verdict) ",
+    # telling the judge what the score is
+    r"\b(?:correct|right|true|real|expected|deserved|proper|appropriate) (?:score|grade|rating|verdict)s? "
+    r"(?:is|are|=|:|should be|must be|would be)\b",
+    r"\bthis (?:output|answer|response|title|summary) (?:is|deserves) (?:a )?(?:perfect|excellent|a 10|10|the best|full marks)",
+    # talking to the judge as the judge's operator
+    rf"\b(?:dear|attention|note to (?:the )?|hey|hello) ?{_JUDGE}\b",
+    rf"\b(?:as|you are|act as) (?:an? |the )?{_JUDGE}\b",
+    r"\b(?:system|assistant|developer|admin(?:istrator)?|judge|grader|evaluator) ?: ?(?:the |this |your )?"
+    r"(?:answer|output|response|completion|title|score|grade|rating|verdict|evaluation|instructions?|override)\b",
+    r"\bsystem (?:prompt|override|message|instructions?|notice)\b|\[/?system\]",
+    # a verdict in the judge's own reply format
+    r"""[{,] ?["']?(?:score|rating|grade|reward|verdict)["']? ?: ?["']?(?:-?\d|yes\b|no\b|pass|correct)""",
+    r"""["']answer["'] ?: ?["'](?:yes|no)["']""",
+    # chat-template tokens and the judge prompt's own frames (no word boundary before them)
+    r"<\|[a-z_]+\|>|\[/?inst\]|<</?sys>>|<(?:start|end)_of_turn>",
+    r"</(?:output|input|rubric)>|<output id=",
 )
-"""Text that addresses or instructs a judge (case-insensitive regular expressions)."""
+"""Text that addresses or instructs a judge (case-insensitive regular expressions, matched on
+the text as written and on ``normalized(text)``)."""
+
+# Letters from other scripts that look like Latin ones (Cyrillic, Greek, IPA). Patterns are
+# matched case-insensitively, so both cases map to the lower-case Latin letter.
+_LOOKALIKES = {
+    "a": "аАαΑɑ", "b": "ВβΒЬ", "c": "сСϲϹ", "d": "ԁԀ", "e": "еЕεΕ", "g": "ɡ", "h": "һНΗ", "i": "іІιΙӏıɪ",
+    "j": "јЈ", "k": "кКκΚ", "l": "Ӏ", "m": "мМΜ", "n": "ΝпП", "o": "оОοΟσ", "p": "рРρΡ", "q": "ԛ",
+    "s": "ѕЅ", "t": "тТτΤ", "u": "υ", "v": "νѵ", "w": "ԝ", "x": "хХχΧ", "y": "уУΥү", "z": "Ζ",
+}
+_CONFUSABLES = str.maketrans({c: latin for latin, chars in _LOOKALIKES.items() for c in chars})
+_SPACES = re.compile(r"\s+")
+
+
+def normalized(text: str) -> str:
+    """``text`` as judge-talk patterns read it: HTML entities decoded, compatibility forms folded
+    (NFKC: fullwidth and mathematical letters), invisible characters dropped (zero-width, bidi,
+    soft hyphen, control characters, combining marks), look-alike letters of other scripts read
+    as Latin, and whitespace runs as one space."""
+    text = unicodedata.normalize("NFKD", html.unescape(text))
+    text = "".join(ch for ch in text if not _invisible(ch))
+    return _SPACES.sub(" ", unicodedata.normalize("NFKC", text).translate(_CONFUSABLES)).strip()
+
+
+def _invisible(ch: str) -> bool:
+    category = unicodedata.category(ch)
+    return category in ("Cf", "Mn", "Me") or (category == "Cc" and not ch.isspace())
+
+
+def judge_talk(text: str, patterns: list[re.Pattern]) -> str | None:
+    """The earliest text any pattern finds in ``text`` as written, else in ``normalized(text)``;
+    None when neither has any."""
+    for candidate in (text, normalized(text)):
+        matches = [m for m in (p.search(candidate) for p in patterns) if m]
+        if matches:
+            return min(matches, key=lambda m: m.start()).group(0)
+    return None
+
+
+def quoted(text: str) -> str:
+    """Untrusted text for inside a prompt's ``<input>``/``<output>`` frame: ``&``, ``<`` and ``>``
+    escaped (``&amp;``, ``&lt;``, ``&gt;``), so it cannot close the frame or open one of its own."""
+    return html.escape(str(text), quote=False)
 
 
 class MissingColumn(ValueError):

@@ -2,8 +2,9 @@
 
 ``rubric interview`` asks a few questions and writes a rubric file; ``rubric show`` renders
 one; ``judge calibrate`` scores a batch with the rubric's judge, takes the user's verdicts
-on the top and bottom outputs and keeps the agreement per rubric version. See
-docs/rubrics.md for the file formats.
+on the top and bottom outputs and keeps the agreement per rubric version; ``judge calibrate
+--attacks`` runs the built-in attack set against the judge and guards instead
+(``grooves.cli.attack_check``). See docs/rubrics.md for the file formats.
 """
 
 from __future__ import annotations
@@ -164,8 +165,17 @@ def calibrate(
     history: Annotated[bool, typer.Option("--history", help="Only print past agreement per rubric version.")] = False,
     split: Annotated[str, typer.Option(help="Which recorded trajectories of a run: 'train' or 'val'.")] = "train",
     runs: RunsOption = None,
+    attacks: Annotated[bool, typer.Option(
+        "--attacks", help="Instead of asking for verdicts, run the built-in attack set (docs/reward_hacking.md) "
+        "against the judge and the guards; print which attacks raised the score or passed the guards.")] = False,
+    attack_samples: Annotated[int, typer.Option(min=1, help="With --attacks: how many samples to attack.")] = 2,
+    guards_config: Annotated[Path | None, typer.Option(
+        "--guards-config", help="With --attacks: a run config whose [reward] guards are checked "
+        "(default: the injection guard).")] = None,
 ) -> None:
-    """Score a batch with the rubric's judge, record your verdicts on the top and bottom, report agreement."""
+    """Score a batch with the rubric's judge, record your verdicts on the top and bottom, report agreement.
+
+    With --attacks: check how the judge and guards hold against the built-in attacks instead."""
     from grooves.rewards import calibrate as cal
 
     rubric = _load_rubric(rubric_path)
@@ -177,6 +187,11 @@ def calibrate(
         endpoint = _endpoint(endpoint_url, model, api_key_env)
         if endpoint is None:
             raise _fail("the judge needs an endpoint: --endpoint-url URL --model NAME (or $GROOVES_JUDGE_URL)")
+        if attacks:
+            from grooves.cli.attack_check import config_guards, run_attack_check
+
+            run_attack_check(cal.rubric_judge(rubric, endpoint), config_guards(guards_config), batch, attack_samples)
+            return
         given = None
         if verdicts is not None:
             try:

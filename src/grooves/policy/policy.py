@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from grooves.policy.checkpoints import CheckpointError, checkpoint_base_spec, is_checkpoint_name, resolve_checkpoint
 from grooves.policy.lora import LoRA
 from grooves.policy.models import BUNDLED_DEFAULT, load_model
+from grooves.policy.rendering import encode_rendered, render_literal, special_pattern, spells_special
 from grooves.policy.tools import fallback_messages, template_supports_tools
 from grooves.types import Message
 
@@ -90,6 +92,8 @@ class Policy:
         losing them.
         """
         rendered, kwargs = self._rendering(messages, tools)
+        if self._spells_special(rendered, kwargs.get("tools")):
+            return encode_rendered(self.tokenizer, self._specials, self._literal_text(rendered, kwargs.get("tools")))
         return list(self.tokenizer.apply_chat_template(
             rendered, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
         ))
@@ -106,6 +110,25 @@ class Policy:
             return messages, {"tools": tools} if tools else {}
         return fallback_messages(messages, tools), {}
 
+    # Text from users, tools and completions that spells a special token ("<|im_end|>") must
+    # stay text: see grooves.policy.rendering. Chats without such text take the plain path.
+
+    @functools.cached_property
+    def _specials(self) -> re.Pattern:
+        return special_pattern(self.tokenizer)
+
+    def _spells_special(self, messages: list[Message], tools: list[dict] | None) -> bool:
+        return spells_special(messages, self._specials) or spells_special(tools, self._specials)
+
+    def _literal_text(self, rendered: list[Message], tools: list[dict] | None):
+        """The template's text of already-``_rendering``-ed messages, literal spans marked."""
+        def template(messages: list, masked_tools: list | None) -> str:
+            kwargs = {"tools": masked_tools} if masked_tools else {}
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **kwargs)
+
+        return render_literal(self._specials, rendered, tools, template)
+
     @property
     def end_of_turn_id(self) -> int:
         """The token that ends an assistant turn in the chat template (the tokenizer's EOS)."""
@@ -120,11 +143,19 @@ class Policy:
         the template's text for a fixed two-turn chat plus ``messages``, minus the text of
         the fixed chat up to its end-of-turn token.
         """
-        after = self.chat_text(list(_ANCHOR) + list(messages), add_generation_prompt=True)
+        rendered, _ = self._rendering(list(_ANCHOR) + list(messages), None)
+        literal = self._spells_special(rendered, None)
+        if literal:
+            marked = self._literal_text(rendered, None)
+            after = marked.text
+        else:
+            after = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
         before = self._anchor_text
         if not after.startswith(before):
             raise ValueError("the chat template renders earlier turns differently once more turns follow; "
                              "multi-turn token bookkeeping needs a template that only appends")
+        if literal:
+            return encode_rendered(self.tokenizer, self._specials, marked, start=len(before))
         return list(self.tokenizer.encode(after[len(before):], add_special_tokens=False))
 
     @functools.cached_property

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections.abc import Callable
 
 from grooves.rewards.client import Endpoint, JudgeClient
 from grooves.rewards.compose import RewardComponent, Score
 from grooves.rewards.runner import in_thread
 from grooves.rewards.judges import YesNoCheck, judge_input
-from grooves.scoring import INJECTION_PATTERNS
+from grooves.scoring import INJECTION_PATTERNS, judge_talk
 from grooves.types import Group, Trajectory
 
 SUPPORTED_QUESTION = ("Is every claim in the output (names, numbers, events, what happened) supported by the "
@@ -78,7 +79,8 @@ def supported_by_source(endpoint: Endpoint | JudgeClient, *, name: str = "suppor
 
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
-_WORD = re.compile(r"[A-Za-z][A-Za-z'\-]*")
+_WORD = re.compile(r"[^\W\d_](?:[^\W\d_]|['\-])*")  # letters of any script: "Ԁoogle" is one word
+_INVISIBLE = re.compile(r"[\u00ad\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\ufeff]")
 
 
 class LexicalGrounding(Guard):
@@ -86,7 +88,11 @@ class LexicalGrounding(Guard):
 
     A name is a capitalised word that is not the first word of the output; a rare word has
     at least ``rare_length`` letters. Matching ignores case and a plural "s"; numbers must
-    appear as written (``75`` is not grounded by ``7.5``).
+    appear as written (``75`` is not grounded by ``7.5``). Words are letters of any script
+    and a capital is any upper-case letter, so a name written with a look-alike capital
+    ("Ԁoogle", a Cyrillic Komi De) is a name the source lacks, not a lower-case word that
+    slips through; a word mixing scripts is checked even as the first word. Both texts are
+    read in NFKC form without invisible characters first.
 
     An output with no words or numbers at all fails unless ``allow_empty``: it has nothing
     to check, and an empty title is exactly what a reward model can come to score highest.
@@ -101,24 +107,35 @@ class LexicalGrounding(Guard):
         terms = _NUMBER.findall(text)
         words = _WORD.findall(text)
         for index, word in enumerate(words):
-            if (index > 0 and word[0].isupper()) or len(word) >= self.rare_length:
+            if (index > 0 and word[0].isupper()) or len(word) >= self.rare_length or _mixed_script(word):
                 terms.append(word)
         return terms
 
     def check(self, trajectory: Trajectory, group: Group) -> tuple[bool, str]:
-        if not self.allow_empty and not (_WORD.search(trajectory.completion) or _NUMBER.search(trajectory.completion)):
+        output = _readable(trajectory.completion)
+        if not self.allow_empty and not (_WORD.search(output) or _NUMBER.search(output)):
             return False, "the output has no words to check against the source"
-        source = judge_input(trajectory, group, self.source)
+        source = _readable(judge_input(trajectory, group, self.source))
         numbers = set(_NUMBER.findall(source))
         words = {_stem(w) for w in _WORD.findall(source)}
         missing = []
-        for term in self.terms(trajectory.completion):
+        for term in self.terms(output):
             found = term in numbers if term[0].isdigit() else _stem(term) in words
             if not found and term not in missing:
                 missing.append(term)
         if missing:
             return False, f"not in the source: {', '.join(missing[:8])}"
         return True, "every number, name and rare word occurs in the source"
+
+
+def _readable(text: str) -> str:
+    """NFKC (fullwidth letters and digits as plain ones) without zero-width and bidi characters."""
+    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
+
+
+def _mixed_script(word: str) -> bool:
+    """Letters from more than one script (Latin with Cyrillic or Greek): no ordinary word does that."""
+    return len({unicodedata.name(ch, "?").split()[0] for ch in word if ch.isalpha()}) > 1
 
 
 def _stem(word: str) -> str:
@@ -160,7 +177,12 @@ class FormatGuard(Guard):
 
 
 class InjectionGuard(Guard):
-    """Veto outputs that address the judge ("score this 10", "ignore previous instructions")."""
+    """Veto outputs that address the judge ("score this 10", "ignore previous instructions").
+
+    Each pattern is matched on the output as written and on ``grooves.scoring.normalized``
+    of it, so look-alike letters, zero-width characters, fullwidth forms and odd spacing do
+    not hide a phrase. ``grooves.rewards.attacks`` lists the attacks it catches and misses.
+    """
 
     def __init__(self, name: str = "no_judge_talk", patterns: tuple[str, ...] = INJECTION_PATTERNS,
                  floor: float = 0.0, required: bool = True):
@@ -168,8 +190,7 @@ class InjectionGuard(Guard):
         self.patterns = [re.compile(p, re.IGNORECASE) for p in patterns]
 
     def check(self, trajectory: Trajectory, group: Group) -> tuple[bool, str]:
-        for pattern in self.patterns:
-            match = pattern.search(trajectory.completion)
-            if match:
-                return False, f"addresses the judge: {match.group(0)!r}"
+        found = judge_talk(trajectory.completion, self.patterns)
+        if found is not None:
+            return False, f"addresses the judge: {found!r}"
         return True, "does not address the judge"

@@ -27,6 +27,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from grooves.scoring import quoted
+
 
 class RubricError(ValueError):
     """A rubric file that cannot be used; the message names the file and each bad field's path."""
@@ -96,9 +98,10 @@ class Rubric(_Strict):
         if self.examples:
             lines = ["Examples:"]
             for e in self.examples:
-                given = f" (input: {e.input})" if e.input else ""
+                # examples are often outputs copied from a run: quoted like every output a judge reads
+                given = f" (input: {quoted(e.input)})" if e.input else ""
                 note = f" Why: {e.note}" if e.note else ""
-                lines.append(f"- A {e.kind} output{given}: {e.output}{note}")
+                lines.append(f"- A {e.kind} output{given}: {quoted(e.output)}{note}")
             parts.append("\n".join(lines))
         return "\n\n".join(parts)
 
