@@ -14,7 +14,7 @@ from grooves.monitors.text import (
     clip, content_stems, jaccard, ngram_repeat_rate, near_same_clusters, normalise, overlap, shingles,
     top_content_word, words,
 )
-from grooves.scoring import INJECTION_PATTERNS, input_text
+from grooves.scoring import INJECTION_PATTERNS, input_text, judge_talk
 from grooves.types import Group
 
 MAX_EXAMPLES = 5
@@ -204,7 +204,9 @@ class Repetition(Detector):
 
 class JudgeDirected(Detector):
     """Outputs that address the judge or scorer ("dear grader", "score this 10", chat-template
-    markers); the patterns are ``grooves.scoring.INJECTION_PATTERNS`` plus any extra."""
+    markers); the patterns are ``grooves.scoring.INJECTION_PATTERNS`` plus any extra, matched on
+    the text as written and normalised (look-alike letters, invisible characters), as
+    ``InjectionGuard`` reads it."""
 
     name = "judge_directed"
 
@@ -220,9 +222,9 @@ class JudgeDirected(Detector):
             return []
         hits = []
         for _, trajectory_id, text in outputs:
-            match = next((m for m in (p.search(text) for p in self.patterns) if m), None)
+            match = judge_talk(text, self.patterns)  # as the injection guard reads it: normalised too
             if match:
-                hits.append({"id": trajectory_id, "match": match.group(0), "text": clip(text)})
+                hits.append({"id": trajectory_id, "match": match, "text": clip(text)})
         self.value = len(hits) / len(outputs)
         severity = severity_above(self.value, self.config.warn_above, self.config.critical_above)
         if severity is None:
