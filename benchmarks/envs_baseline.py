@@ -7,12 +7,18 @@ the Hermes text the env parses, so both sides meet the same tools and the same c
 
     python benchmarks/envs_baseline.py [--envs helpdesk,search] [--n 40]
     python benchmarks/envs_baseline.py --base-url http://127.0.0.1:8000/v1 --endpoint-model NAME
+    python benchmarks/envs_baseline.py --kv [--rollouts 4 --turns 4 --turn-tokens 32]
 
 Reports per env and model: success rate (the env's ``success`` score is 1), the weighted
 total, each score's mean, tool calls, tool errors, turns and generated tokens per rollout,
 seconds per rollout. For search it also prints the BM25 baseline: the answer read off
 BM25's top hit for the raw question. The last line is machine-readable:
 ``envs_baseline helpdesk_success=X search_success=Y`` (the bundled model).
+
+``--kv`` instead times helpdesk rollouts of ``--turns`` turns (a scripted user keeps each
+going) with the KV cache rebuilt every turn and kept between turns, both in this process,
+and ends with ``envs_kv plain_tps=X reuse_tps=Y ratio=R same_tokens=B`` (model tokens per
+second; ``same_tokens``: the two paths sampled the same tokens).
 """
 
 from __future__ import annotations
@@ -100,6 +106,35 @@ def endpoint_rollout(env, task, client, model: str, temperature: float, turn_tok
     return result
 
 
+def kv_reuse(rollouts: int, turns: int, turn_tokens: int, progress: Reporter) -> None:
+    """Tokens per second of multi-turn rollouts, the conversation re-run each turn vs its KV kept."""
+    from grooves.envs.users import ScriptedUser
+    from grooves.policy.policy import Policy
+
+    policy = Policy.load(BASE)
+    env = load_env("helpdesk", max_turns=turns)
+    env.user = ScriptedUser()
+    follow = ["Please check that again.", "Are you sure?", "Thanks. Anything else I should know?"] * turns
+    tasks = [dict(t, user_turns=follow) for t in env.tasks("train", rollouts, seed=0)]
+    result = {}
+    for reuse in (False, True):
+        progress.phase("rollouts", f"{rollouts} x {turns} turns, KV {'kept' if reuse else 'rebuilt'} between turns")
+        generator = torch.Generator().manual_seed(0)
+        start = time.perf_counter()
+        groups = env_groups(policy, env, tasks, 1, sampler_generate(policy, 1.0, 1.0, generator, reuse_kv=reuse),
+                            turn_tokens)
+        seconds = time.perf_counter() - start
+        trajectories = [t for g in groups for t in g.trajectories]
+        tokens = sum(sum(t.completion_mask) for t in trajectories)
+        longest = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajectories)
+        result[reuse] = (tokens / seconds, [t.completion_ids for t in trajectories])
+        print(f"KV {'kept' if reuse else 'rebuilt'}: {seconds:.1f} s, {tokens} model tokens, {tokens / seconds:.2f} "
+              f"tokens/s, turns {[t.metadata['state']['turns'] for t in trajectories]}, longest {longest} tokens")
+    plain, reused = result[False][0], result[True][0]
+    print(f"envs_kv plain_tps={plain:.3f} reuse_tps={reused:.3f} ratio={reused / plain:.2f} "
+          f"same_tokens={result[False][1] == result[True][1]}")
+
+
 def print_table(rows: list[tuple[str, str, dict]]) -> None:
     keys = ["success", "total", "tool_calls", "tool_errors", "turns", "tokens", "s_per_rollout"]
     print(f"{'env':<10} {'model':<24} " + " ".join(f"{k:>13}" for k in keys))
@@ -119,9 +154,15 @@ def main() -> None:
     parser.add_argument("--base-url", help="Also run a model behind this OpenAI-compatible endpoint.")
     parser.add_argument("--endpoint-model", default="default")
     parser.add_argument("--api-key", default="none")
+    parser.add_argument("--kv", action="store_true", help="Only time multi-turn rollouts with and without KV reuse.")
+    parser.add_argument("--rollouts", type=int, default=4, help="With --kv: rollouts, decoded as one batch.")
+    parser.add_argument("--turns", type=int, default=4, help="With --kv: turns per rollout.")
     args = parser.parse_args()
     rows = []
     progress = Reporter(Console())  # stdout: a bar on a terminal, lines in a log
+    if args.kv:
+        kv_reuse(args.rollouts, args.turns, args.turn_tokens, progress)
+        return
     for name in args.envs.split(","):
         env = load_env(name)
         tasks = env.tasks("heldout", args.n, seed=0)
