@@ -336,3 +336,22 @@ def test_the_example_configs_train(name, tmp_path):
     assert set(config.env.options) <= set(load_env(name).option_names())
     weights = load_env(name).weights
     assert all(f"reward/{score}" in rows[1] for score in weights) and "env/turns" in rows[1]
+
+
+def test_a_package_env_that_fails_to_import_or_shadows_a_builtin_is_named(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from grooves.cli import app
+
+    (tmp_path / "broken_envs.py").write_text("import a_module_nobody_has\n")
+    dist = tmp_path / "broken_envs-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-envs\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[grooves.envs]\nbroken = broken_envs:Shop\nhelpdesk = broken_envs:Desk\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match="broken_envs:Desk that a package registers as 'helpdesk' is shadowed"):
+        assert available()["helpdesk"] == "grooves.envs.helpdesk:Helpdesk"
+    with pytest.warns(UserWarning, match="shadowed"):  # said again each time the registry is read
+        result = CliRunner().invoke(app, ["env", "try", "broken", "--model", "tiny"])
+    assert result.exit_code == 2 and "No module named 'a_module_nobody_has'" in result.output
+    assert "Traceback" not in result.output

@@ -9,6 +9,7 @@ loaded as reward functions are (``grooves.rewards.import_object``).
 
 from __future__ import annotations
 
+import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -24,9 +25,15 @@ ENTRY_POINT_GROUP = "grooves.envs"
 
 
 def available() -> dict[str, str]:
-    """Every env by name: the built-in ones and those other packages register."""
+    """Every env by name: the built-in ones and those other packages register. A package's env
+    whose name is a built-in's does not replace it; it is named in a warning."""
     found = dict(BUILTIN)
     for point in entry_points(group=ENTRY_POINT_GROUP):
+        if point.name in BUILTIN:
+            if point.value != BUILTIN[point.name]:
+                warnings.warn(f"the env {point.value} that a package registers as {point.name!r} is shadowed by the "
+                              f"built-in {point.name!r}; name it as {point.value} to use it", stacklevel=2)
+            continue
         found.setdefault(point.name, point.value)
     return found
 
@@ -34,8 +41,6 @@ def available() -> dict[str, str]:
 def env_class(name: str) -> type[Env]:
     """The class registered under ``name``, or named as ``file.py:Class`` / ``module:Class``;
     an unknown name lists the known ones."""
-    import importlib
-
     if ":" in name:  # registered names have no colon
         cls = import_env(name)
         where = name
@@ -44,8 +49,7 @@ def env_class(name: str) -> type[Env]:
         if name not in known:
             raise KeyError(f"unknown env {name!r}; available: {', '.join(sorted(known))}, "
                            f"or a class in a file: my_env.py:MyEnv")
-        module, _, attr = known[name].partition(":")
-        cls = getattr(importlib.import_module(module), attr)
+        cls = import_env(known[name])  # a package whose import fails is one error line too
         where = known[name]
     if not (isinstance(cls, type) and issubclass(cls, Env)):
         raise TypeError(f"{where} is not a grooves Env class")
