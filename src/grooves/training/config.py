@@ -117,13 +117,18 @@ class TrainConfig(_Section):
                                   "were not finite; 0 = never.")
 
 
-class LogConfig(_Section):
+class RunLogConfig(_Section):
+    """What every run folder logs and keeps (``grooves train`` and ``grooves sft``)."""
+
     save_every: int = Field(10, ge=1, description="Checkpoint every N steps (and at the end).")
     val_every: int = Field(10, ge=1, description="Validate every N steps (and at step 0 and the end).")
     val_size: int = Field(64, ge=0, description="Held-out tasks per validation (0 = no validation).")
     tensorboard: bool = Field(True, description="Write TensorBoard events to <run>/tensorboard.")
     wandb_project: str | None = Field(None, description="Also log to this W&B project (needs grooves[wandb]).")
     keep_checkpoints: int = Field(0, ge=0, description="Keep only the newest N checkpoints (0 = keep all).")
+
+
+class LogConfig(RunLogConfig):
     kl_every: int = Field(10, ge=0, description="Log `kl` to the base model every N steps even when beta = 0 "
                           "(one extra forward pass without gradient, about a tenth of a CPU step); 0 = only "
                           "when beta > 0.")

@@ -30,11 +30,10 @@ from grooves.progress import Reporter
 from grooves.rewards.compose import RewardReport
 from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
-from grooves.training.config import ConfigError, RunConfig, dump_config
+from grooves.training.config import ConfigError, RunConfig
 from grooves.training.rollout import Evaluation, completion_stats, evaluate, reward_metrics, rollout_groups
-from grooves.training.runfolder import GracefulStop, Run, resume_point
+from grooves.training.runfolder import GracefulStop, Run, begin, resume_point
 from grooves.training.runlock import RunLock
-from grooves.training.sinks import MetricSinks
 from grooves.training.store import RunStore
 from grooves.training.tasksets import TaskMix, TaskSet
 from grooves.training.trainer import Trainer
@@ -331,13 +330,7 @@ class TrainingRun:
             self.console.print(f"[bold]grooves[/]: {self.run_dir.name} has no complete checkpoint: "
                                f"starting it over from step 0")
             self.store.truncate_after(-1)
-        if start == 0:
-            # Global generators drive LoRA dropout; seeding them makes a run independent of what
-            # ran before it in the process (a resume restores them from the checkpoint instead).
-            ckpt.seed_everything(self.config.seed)
-            self.store.write_config(dump_config(self.config))
-        self.sinks = MetricSinks(self.run_dir, self.config.log.tensorboard, self.config.log.wandb_project,
-                                 self.run_dir.name, self.config.model_dump(mode="json"))
+        self.sinks = begin(self.store, self.config, start)
         return start
 
     def _save(self, step: int) -> None:

@@ -14,7 +14,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from grooves.training import checkpoint as ckpt
+from grooves.training.config import dump_config
 from grooves.training.rollout import Evaluation
+from grooves.training.sinks import MetricSinks
+from grooves.training.store import RunStore
 
 
 class RunExistsError(RuntimeError):
@@ -63,6 +66,18 @@ def resume_point(run_dir: Path, resume: bool, resume_command: str, console: Cons
     if corrupt and latest is not None:
         console.print(f"resuming from the newest complete checkpoint, {latest.name}")
     return latest
+
+
+def begin(store: RunStore, config, start: int) -> MetricSinks:
+    """Open a run's metric sinks; a run starting at step 0 also seeds the global generators and
+    writes its resolved ``config.toml``. ``config``: a RunConfig or an SFTConfig."""
+    if start == 0:
+        # Global generators drive LoRA dropout; seeding them makes a run independent of what
+        # ran before it in the process (a resume restores them from the checkpoint instead).
+        ckpt.seed_everything(config.seed)
+        store.write_config(dump_config(config))
+    return MetricSinks(store.dir, config.log.tensorboard, config.log.wandb_project, store.name,
+                       config.model_dump(mode="json"))
 
 
 class GracefulStop:

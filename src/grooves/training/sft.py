@@ -27,10 +27,9 @@ from grooves.policy.logprobs import build_token_batch, completion_logprobs
 from grooves.policy.policy import Policy
 from grooves.tasks.sources import TaskStream
 from grooves.training import checkpoint as ckpt
-from grooves.training.config import ModelConfig, OptimConfig, _Section, dump_config, plain_folder_name
-from grooves.training.runfolder import GracefulStop, Run, resume_point
+from grooves.training.config import ModelConfig, OptimConfig, RunLogConfig, _Section, plain_folder_name
+from grooves.training.runfolder import GracefulStop, Run, begin, resume_point
 from grooves.training.runlock import RunLock
-from grooves.training.sinks import MetricSinks
 from grooves.training.store import RunStore
 from grooves.training.trainer import lr_factor
 from grooves.types import Trajectory
@@ -48,15 +47,6 @@ class SFTDataConfig(_Section):
     env_options: dict = Field(default_factory=dict, description="With 'env:NAME': the env's options.")
 
 
-class SFTLogConfig(_Section):
-    save_every: int = Field(10, ge=1, description="Checkpoint every N steps (and at the end).")
-    val_every: int = Field(10, ge=1, description="Held-out loss (and env score) every N steps, at 0 and the end.")
-    val_size: int = Field(32, ge=0, description="Held-out examples in the held-out loss.")
-    tensorboard: bool = Field(True, description="Write TensorBoard events to <run>/tensorboard.")
-    wandb_project: str | None = Field(None, description="Also log to this W&B project (needs grooves[wandb]).")
-    keep_checkpoints: int = Field(0, ge=0, description="Keep only the newest N checkpoints (0 = keep all).")
-
-
 class SFTConfig(_Section):
     """`grooves sft CONFIG.toml`: supervised fine-tuning of a LoRA adapter on transcripts."""
 
@@ -68,7 +58,7 @@ class SFTConfig(_Section):
     lora: LoRA = Field(default_factory=LoRA)
     data: SFTDataConfig
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(learning_rate=2e-4, micro_batch_size=4))
-    log: SFTLogConfig = Field(default_factory=SFTLogConfig)
+    log: RunLogConfig = Field(default_factory=lambda: RunLogConfig(val_size=32))
     heldout_tasks: int = Field(0, ge=0, description="With 'env:NAME': also roll out this many held-out env tasks "
                                "greedily at each validation (val/env/*, val/reward/total, val/success).")
     turn_tokens: int = Field(96, ge=1, description="New tokens per assistant turn in those rollouts.")
@@ -188,11 +178,7 @@ class SFTRun:
             self.console.print(f"[bold]grooves[/]: resuming {self.run_dir.name} after step {start}")
         elif self.resume:
             self.store.truncate_after(-1)
-        if start == 0:
-            ckpt.seed_everything(self.config.seed)
-            self.store.write_config(dump_config(self.config))
-        self.sinks = MetricSinks(self.run_dir, self.config.log.tensorboard, self.config.log.wandb_project,
-                                 self.run_dir.name, self.config.model_dump(mode="json"))
+        self.sinks = begin(self.store, self.config, start)
         return start
 
     def _save(self, step: int) -> None:
