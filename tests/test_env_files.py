@@ -57,9 +57,9 @@ def test_env_try_runs_the_doc_env_from_its_file_and_says_it_was_cut(in_tmp):
                                       "-o", "max_tokens=8"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    progress = [line for line in lines if line.startswith("env try: ")]
-    assert progress == ["env try: loading model tiny", "env try: rolling out task eggs: turn 1 of at most 3",
-                        "env try: scoring"]
+    progress = [line for line in lines if line.startswith(("loading: ", "rolling out: ", "scoring"))]
+    assert progress == ["loading: model tiny", "rolling out: task eggs, turn 1 of at most 3",
+                        "scoring"]
     summary = next(line for line in lines if line.startswith("my_env.py:Shop · task eggs"))
     assert summary == ("my_env.py:Shop · task eggs · cut at the token budget (max_tokens = 8) "
                        "after 1 turn · 8 model tokens")

@@ -60,8 +60,7 @@ def try_env(
     """Run one rollout of NAME and print the transcript: every turn, tool call and result, the
     answer, and the env's score components with the weighted total.
 
-    Progress (loading the model, each turn, scoring) goes to stderr: a spinner on a terminal,
-    plain lines otherwise."""
+    Progress (loading the model, each turn, scoring) goes to stderr, a line per phase."""
     import torch
 
     from grooves.policy.policy import Policy
@@ -71,14 +70,16 @@ def try_env(
     env = _load(name, option)
     tasks = env.tasks(split, seed + 1, seed=0)
     task = tasks[seed % len(tasks)]
-    with Progress(err) as progress:
-        progress.phase(f"loading model {model}")
-        try:
-            policy = Policy.load(model, runs=runs)
-        except _user_errors() as error:
-            raise _fail(str(error)) from None
-        generator = torch.Generator().manual_seed(seed)
-        trajectory = roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progress)
+    from grooves.progress import Reporter
+
+    progress = Reporter(err)
+    progress.phase("loading", f"model {model}")
+    try:
+        policy = Policy.load(model, runs=runs)
+    except _user_errors() as error:
+        raise _fail(str(error)) from None
+    generator = torch.Generator().manual_seed(seed)
+    trajectory = roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progress)
     show_transcript(trajectory.messages, show_system)
     state = trajectory.metadata["state"]
     scores = trajectory.metadata["env_scores"]
@@ -203,7 +204,7 @@ def roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progr
     state = start(policy, env, task, seed)
     try:
         while not env.is_done(state):
-            progress.phase(f"rolling out task {task.get('id')}: turn {state.turns + 1} of at most {env.max_turns}")
+            progress.phase("rolling out", f"task {task.get('id')}, turn {state.turns + 1} of at most {env.max_turns}")
             advance(policy, env, [state], generate, turn_tokens)
         progress.phase("scoring")
         return trajectory(env, state)
@@ -222,30 +223,6 @@ def ending(env, state: dict, answer_cut_at: int | None = None) -> str:
     if answer_cut_at is not None:
         return f"ended by its answer {turns}, that turn cut at --turn-tokens {answer_cut_at}"
     return f"ended by its answer {turns}"
-
-
-class Progress:
-    """What ``env try`` is doing: a spinner on a terminal, one plain line per phase otherwise
-    (a log or a pipe gets no control characters)."""
-
-    def __init__(self, console):
-        self.console = console
-        self.status = console.status("") if console.is_terminal else None
-
-    def __enter__(self) -> Progress:
-        if self.status is not None:
-            self.status.start()
-        return self
-
-    def phase(self, text: str) -> None:
-        if self.status is not None:
-            self.status.update(escape(text))
-        else:
-            self.console.print(f"env try: {text}", highlight=False, markup=False)
-
-    def __exit__(self, *exc) -> None:
-        if self.status is not None:
-            self.status.stop()
 
 
 def show_transcript(messages: list[dict], show_system: bool = False) -> None:
