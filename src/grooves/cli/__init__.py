@@ -78,7 +78,7 @@ def train(
         raise typer.Exit(130) from None
     last = next((row for row in reversed(run.metrics) if row.get("reward/total") is not None), {})
     out.print(f"[bold]{run.name}[/]: step {run.step}, reward {num(last.get('reward/total'))}; "
-              f"checkpoint {run.name}@latest in {run.dir}", highlight=False)
+              f"checkpoint {run.name}@latest in {run.dir}", highlight=False, soft_wrap=True)
     _exit_for(run)
 
 

@@ -54,6 +54,6 @@ def sft(
         raise typer.Exit(130) from None
     last = run.metrics[-1] if run.metrics else {}
     out.print(f"[bold]{run.name}[/]: step {run.step}, loss {num(last.get('loss/sft'))}, held-out loss "
-              f"{num(last.get('val/loss/sft'))}; checkpoint {run.name}@latest in {run.dir}", highlight=False)
+              f"{num(last.get('val/loss/sft'))}; checkpoint {run.name}@latest in {run.dir}", highlight=False, soft_wrap=True)
     if run.halted_by == "interrupt":
         raise typer.Exit(130)
