@@ -100,6 +100,21 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
     manifest = checkpoint / MANIFEST
     if not manifest.exists():
         return _legacy_problem(checkpoint)
+    # Hashing is the cost of a check (serve resolves RUN@STEP on every request): a folder whose
+    # files have the same sizes and times as when it was last checked gives the same answer.
+    stamp = (str(checkpoint.resolve()), tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                                              for p in sorted(checkpoint.rglob("*")) if p.is_file()))
+    if stamp not in _CHECKED:
+        if len(_CHECKED) > 256:
+            _CHECKED.clear()
+        _CHECKED[stamp] = _manifest_problem(checkpoint, manifest)
+    return _CHECKED[stamp]
+
+
+_CHECKED: dict[tuple, str | None] = {}
+
+
+def _manifest_problem(checkpoint: Path, manifest: Path) -> str | None:
     try:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError, TypeError):
