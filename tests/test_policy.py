@@ -11,7 +11,8 @@ import torch
 
 from grooves.policy import LoRA, ModelSpecError, Policy
 from grooves.policy import models
-from grooves.policy.logprobs import build_token_batch, completion_logprobs, shared_prompt_logprobs
+from grooves.policy.logprobs import (build_token_batch, completion_logprobs, shared_prefix_length,
+                                     shared_prefix_logprobs)
 from grooves.types import Trajectory
 
 
@@ -138,22 +139,29 @@ def test_reference_is_the_base_model_without_a_copy():
     assert n_base == n_lora  # one set of base weights
 
 
-def test_shared_prompt_forward_equals_plain_forward():
-    """The fast path (prompt once per group) gives the plain path's log-probs and gradients."""
+@pytest.mark.parametrize("prompts", ["one prompt", "prompts sharing a system prompt"])
+def test_shared_prefix_forward_equals_plain_forward(prompts):
+    """The fast path (a common prefix once: a group's prompt, or SFT transcripts' system prompt)
+    gives the plain path's log-probs and gradients."""
     policy = Policy.load("tiny", lora=LoRA(rank=4))
     with torch.no_grad():
         for name, param in policy.model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.05)
-    prompt = policy.chat_ids([{"role": "user", "content": "a shared prompt"}])
+    system = {"role": "system", "content": "a shared system prompt"}
+    asks = ["a shared prompt"] * 3 if prompts == "one prompt" else ["first", "a second, longer question", "x"]
     completions = [[40, 41, 42, 43, 44], [50, 51], [60, 61, 62]]
-    trajectories = [Trajectory(messages=[], prompt_ids=prompt, completion_ids=c, completion_mask=[1] * len(c),
-                               logprobs=[0.0] * len(c)) for c in completions]
+    trajectories = [Trajectory(messages=[], prompt_ids=policy.chat_ids([system, {"role": "user", "content": ask}]),
+                               completion_ids=c, completion_mask=[1] * len(c), logprobs=[0.0] * len(c))
+                    for ask, c in zip(asks, completions)]
+    if prompts != "one prompt":
+        assert len({len(t.prompt_ids) for t in trajectories}) > 1
+        assert 0 < shared_prefix_length(build_token_batch(trajectories)) < min(len(t.prompt_ids) for t in trajectories)
     batch = build_token_batch(trajectories)
     weights = torch.arange(1.0, 1.0 + batch.targets.shape[1])
     params = policy.trainable_parameters()
     results = []
-    for forward in (completion_logprobs, shared_prompt_logprobs):
+    for forward in (completion_logprobs, shared_prefix_logprobs):
         policy.model.zero_grad()
         logp, entropy = forward(policy.causal_lm, batch, 0.8, with_entropy=True)
         (logp * weights).sum().backward()

@@ -5,9 +5,10 @@ Two paths give the same numbers (a test holds them to 1e-5, gradients included):
 - ``completion_logprobs``: sequences are ``prompt_ids + completion_ids``, right-padded.
   With causal attention the padding after a sequence never influences its real
   positions, so no attention mask is needed.
-- ``shared_prompt_logprobs``: the G completions of a group share one prompt, so the prompt
-  runs once; its KV cache is repeated for the G rows and the gradient flows back through
-  it. With ~150 prompt and ~30 completion tokens this is ~3.5x fewer tokens.
+- ``shared_prefix_logprobs``: rows that begin alike run their common prefix once; its KV
+  cache is repeated for every row and the gradient flows back through it. The G completions
+  of a group share their whole prompt (with ~150 prompt and ~30 completion tokens, ~3.5x fewer
+  tokens); SFT transcripts of an agent env share its system prompt and tools.
 
 Either way the output head runs only on completion positions: prompt positions never get
 full-vocabulary logits.
@@ -84,25 +85,39 @@ def completion_logprobs(
     return _head_logprobs(causal_lm, picked, batch, temperature, with_entropy)
 
 
-def shared_prompt_logprobs(
+def shared_prefix_length(batch: TokenBatch) -> int:
+    """How many leading tokens every row of ``batch`` has in common, at most its shortest prompt."""
+    limit = int(batch.starts.min())
+    same = (batch.input_ids[:, :limit] == batch.input_ids[:1, :limit]).all(dim=0)  # (limit,)
+    differ = (~same).nonzero()
+    return int(differ[0]) if len(differ) else limit
+
+
+def shared_prefix_logprobs(
     causal_lm, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``completion_logprobs`` for rows that all share one prompt, running the prompt once."""
+    """``completion_logprobs`` that runs the rows' common prefix once: the whole prompt of a
+    group's G completions, or the system prompt and tools of SFT transcripts of different tasks.
+    The prefix's KV cache is repeated for every row and the gradient flows back through it."""
     from transformers import DynamicCache
 
+    shared = shared_prefix_length(batch)
+    if shared == 0:
+        return completion_logprobs(causal_lm, batch, temperature, with_entropy)
     decoder = causal_lm.get_decoder()
-    start = int(batch.starts[0])
-    prompt = batch.input_ids[:1, :start]  # (1, P)
     cache = DynamicCache(config=causal_lm.config)
-    prompt_hidden = decoder(input_ids=prompt, cache=cache, use_cache=True).last_hidden_state  # (1, P, H)
+    prefix_hidden = decoder(input_ids=batch.input_ids[:1, :shared], cache=cache,
+                            use_cache=True).last_hidden_state  # (1, P, H)
     rows, width = batch.targets.shape
-    cache.batch_repeat_interleave(rows)  # differentiable: gradients reach the prompt's K/V
-    positions = torch.arange(start, start + width, device=prompt.device).expand(rows, -1)  # (G, T)
-    hidden = decoder(input_ids=batch.targets, position_ids=positions, cache=cache,
-                     use_cache=True).last_hidden_state  # (G, T, H)
-    # the last prompt position predicts completion token 0; completion position t predicts t + 1
-    first = prompt_hidden[:, -1:].expand(rows, 1, -1)  # (G, 1, H)
-    picked = torch.cat([first, hidden[:, :-1]], dim=1)  # (G, T, H)
+    cache.batch_repeat_interleave(rows)  # differentiable: gradients reach the prefix's K/V
+    rest = batch.input_ids[:, shared: int((batch.starts + width).max())]  # (B, R), right-padded
+    positions = torch.arange(shared, shared + rest.shape[1], device=rest.device).expand(rows, -1)
+    hidden = decoder(input_ids=rest, position_ids=positions, cache=cache, use_cache=True).last_hidden_state
+    # position starts + t - 1 predicts completion token t; index 0 below is the prefix's last position
+    hidden = torch.cat([prefix_hidden[:, -1:].expand(rows, 1, -1), hidden], dim=1)  # (B, 1 + R, H)
+    offsets = torch.arange(width, device=hidden.device)
+    index = (batch.starts[:, None] - shared + offsets).clamp(max=hidden.shape[1] - 1)  # (B, T)
+    picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
     return _head_logprobs(causal_lm, picked, batch, temperature, with_entropy)
 
 

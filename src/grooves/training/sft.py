@@ -23,7 +23,7 @@ from rich.console import Console
 
 from grooves.policy.lora import LoRA
 from grooves.progress import Reporter
-from grooves.policy.logprobs import build_token_batch, completion_logprobs
+from grooves.policy.logprobs import build_token_batch, completion_logprobs, shared_prefix_logprobs
 from grooves.policy.policy import Policy
 from grooves.tasks.sources import TaskStream
 from grooves.training import checkpoint as ckpt
@@ -143,10 +143,14 @@ class SFTRun:
             return math.nan, 0
         total = 0.0
         size = self.config.optim.micro_batch_size
+        lm = self.policy.causal_lm
+        # transcripts of one env begin with the same system prompt and tools: that prefix runs once
+        # (activation checkpointing drops the KV cache it needs, so then every row runs in full)
+        forward = completion_logprobs if getattr(lm, "is_activation_checkpointing", False) else shared_prefix_logprobs
         for i in range(0, len(ordered), size):
             batch = build_token_batch(ordered[i: i + size], self.policy.device)  # (B, T), similar lengths
             with torch.set_grad_enabled(backward):
-                logp, _ = completion_logprobs(self.policy.causal_lm, batch, 1.0)
+                logp, _ = forward(lm, batch, 1.0)
                 nll = -(logp * batch.mask).sum() / tokens
             if backward:
                 nll.backward()

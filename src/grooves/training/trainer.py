@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from grooves.algorithms import AGGREGATIONS, ESTIMATORS, LOSSES, Algorithm, k3_kl, overlong_penalty
-from grooves.policy.logprobs import TokenBatch, build_token_batch, completion_logprobs, shared_prompt_logprobs
+from grooves.policy.logprobs import TokenBatch, build_token_batch, completion_logprobs, shared_prefix_logprobs
 from grooves.policy.policy import Policy
 from grooves.training.config import OptimConfig
 from grooves.types import Group, Trajectory
@@ -211,7 +211,7 @@ class Trainer:
         """
         lm = self.policy.causal_lm
         checkpointing = getattr(lm, "is_activation_checkpointing", False)
-        forward = shared_prompt_logprobs if self.share_prompt and not checkpointing else completion_logprobs
+        forward = shared_prefix_logprobs if self.share_prompt and not checkpointing else completion_logprobs
         return forward(lm, micro, self.temperature, with_entropy)
 
 
