@@ -145,6 +145,14 @@ def test_only_model_tokens_are_trainable(policy):
     assert '"name": "add_note"' in tokenizer.decode(t.prompt_ids)  # the tools are in the prompt
 
 
+def test_a_near_miss_call_runs_and_is_counted_as_repaired(policy):
+    env = Notes()
+    turn = '<tool_call>{"name": "add_note", "arguments": {"owner": "a\', "body": "say "hi""}}</tool_call>'
+    state = play(policy, env, [turn, "ok"])
+    assert env.rows(env.db(state), "SELECT owner, body FROM notes WHERE id = 5") == [{"owner": "a'", "body": 'say "hi"'}]
+    assert state.counters["tool_calls/repaired"] == 1 and state.counters["tool_errors/malformed"] == 0
+
+
 def test_bad_input_becomes_messages_and_counters(policy):
     env = Notes()
     bad_turn = (call("count", owner=5) + call("nope") + "<tool_call>{bad json</tool_call>"

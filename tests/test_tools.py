@@ -29,7 +29,8 @@ def test_hermes_unclosed_block_and_double_encoded_arguments():
 
 
 @pytest.mark.parametrize("body, message", [
-    ('{"name": "f", "arguments": {"x": 1}', "not valid JSON"),
+    ('{"name": "f", "arguments": {"x": 1', "not valid JSON"),  # cut off: not repaired
+    ('{"name": "f", "arguments": {...}}', "not valid JSON"),  # a template copied, not a call
     ('{"arguments": {}}', 'needs a "name"'),
     ('{"name": "f", "arguments": [1, 2]}', "must be a JSON object"),
     ('{"name": "f", "arguments": "not json"}', "a string that is not JSON"),
@@ -38,6 +39,19 @@ def test_hermes_unclosed_block_and_double_encoded_arguments():
 def test_malformed_calls_become_errors_not_silence(body, message):
     reply = parse_tool_calls(f"<tool_call>{body}</tool_call>")
     assert reply.tool_calls == [] and len(reply.errors) == 1 and message in reply.errors[0]
+
+
+@pytest.mark.parametrize("body, arguments", [
+    ('{"name": "f", "arguments": {"q": "the default?\'}}', {"q": "the default?'"}),  # closed with '
+    ('{"name": "f", "arguments": {"text": "called "Replace" here"}}', {"text": 'called "Replace" here'}),
+    ('{"name": "f", "arguments": {"x": 1}', {"x": 1}),  # the outer brace missing
+    ('{"name": "f", "arguments": {"x": 1}}}', {"x": 1}),  # one brace too many
+])
+def test_near_miss_calls_are_repaired_and_counted(body, arguments):
+    reply = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert reply.errors == [] and reply.repaired == 1
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [("f", arguments)]
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}</tool_call>').repaired == 0
 
 
 def test_bare_and_fenced_json_calls():

@@ -217,6 +217,8 @@ class Env:
             message["tool_calls"] = [c.to_openai() for c in reply.tool_calls]
         state.messages.append(message)
         out: list[Message] = []
+        if reply.repaired:
+            state.counters["tool_calls/repaired"] += reply.repaired
         for error in reply.errors:
             state.counters["tool_errors/malformed"] += 1
             out.append(self._error_message(None, f"{error}. Write a call as <tool_call>{{\"name\": "

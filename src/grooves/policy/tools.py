@@ -15,6 +15,15 @@ the end of the text also counts); ``json`` reads a reply that is nothing but a J
 (or a list of them) with ``name`` and ``arguments``, optionally in a ```json fence;
 ``auto`` (the default) tries hermes, then json. A malformed call is not dropped silently:
 it becomes an entry in ``errors``, which callers send back to the model.
+
+Near misses. A small model's call is often right but for one character: a string closed with
+``'``, a quote inside a string left unescaped, a brace missing or one too many. Inside a
+``<tool_call>`` block, where the text can only be a call, a body that ends with ``}`` is
+repaired (``json_repair``) and kept when the repair is an object with a name and object
+arguments. A body cut off before its end is never repaired: completing ``{"order_id": 12``
+could act on the wrong order.
+``ParsedReply.repaired`` counts them, so a metric can show how many calls needed it. A body
+that cannot become a call (``{"name": "TOOL", "arguments": {...}}``) stays an error.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ class ParsedReply:
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    repaired: int = 0  # calls among tool_calls whose JSON was a near miss, repaired
 
 
 class ToolCallParser(Protocol):
@@ -84,17 +94,40 @@ class HermesParser:
     pattern = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedReply:
-        calls, errors = [], []
+        calls, errors, repaired = [], [], 0
         for match in self.pattern.finditer(text):
             body = match.group(1).strip()
             try:
                 calls.append(_call_from_object(json.loads(body)))
             except json.JSONDecodeError as error:
-                errors.append(f"tool call is not valid JSON ({error.msg} at position {error.pos}): {body[:200]}")
+                call = _repaired_call(body)
+                if call is None:
+                    errors.append(f"tool call is not valid JSON ({error.msg} at position {error.pos}): {body[:200]}")
+                else:
+                    calls.append(call)
+                    repaired += 1
             except ValueError as error:
                 errors.append(str(error))
         content = self.pattern.sub("", text).strip()
-        return ParsedReply(content, calls, errors)
+        return ParsedReply(content, calls, errors, repaired)
+
+
+def _repaired_call(body: str) -> ToolCall | None:
+    """The call a near-miss JSON body meant, or None when the repair is not a whole call."""
+    from json_repair import repair_json
+
+    if not body.endswith("}"):  # cut off: what it would have said is unknown
+        return None
+    try:
+        obj = repair_json(body, return_objects=True)
+    except Exception:  # noqa: BLE001 - a repair that fails is a call that stays malformed
+        return None
+    if not (isinstance(obj, dict) and isinstance(obj.get("arguments", obj.get("parameters")), dict)):
+        return None
+    try:
+        return _call_from_object(obj)
+    except ValueError:
+        return None
 
 
 class JsonParser:
