@@ -10,8 +10,8 @@ Two paths give the same numbers (a test holds them to 1e-5, gradients included):
   of a group share their whole prompt (with ~150 prompt and ~30 completion tokens, ~3.5x fewer
   tokens); SFT transcripts of an agent env share its system prompt and tools.
 
-Either way the output head runs only on completion positions: prompt positions never get
-full-vocabulary logits.
+Either way the output head runs only on the completion positions that are trained (mask 1):
+prompt positions, tool results and env text never get full-vocabulary logits.
 """
 
 from __future__ import annotations
@@ -122,13 +122,19 @@ def shared_prefix_logprobs(
 
 
 def _head_logprobs(causal_lm, picked, batch, temperature, with_entropy):
-    logits = causal_lm.get_output_embeddings()(picked).float()  # (B, T, V)
+    """Log-probs (and entropies) of the targets at the trained positions (mask > 0) only: an
+    agent's completion is mostly tool results and the env's text, which never get gradient, and
+    the vocabulary-wide head is the costliest part of a position. Other positions are 0."""
+    keep = batch.mask > 0  # (B, T)
+    logits = causal_lm.get_output_embeddings()(picked[keep]).float()  # (N, V)
     if temperature > 0:
         logits = logits / temperature
     logp_all = F.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, batch.targets[..., None]).squeeze(-1)  # (B, T)
+    picked_logp = logp_all.gather(-1, batch.targets[keep][:, None]).squeeze(-1)  # (N,)
+    logp = torch.zeros(keep.shape, dtype=picked_logp.dtype, device=keep.device).masked_scatter(keep, picked_logp)
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
-    return logp * (batch.mask > 0), entropy
+            values = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
+            entropy = torch.zeros(keep.shape, dtype=values.dtype, device=keep.device).masked_scatter(keep, values)
+    return logp, entropy
