@@ -83,6 +83,22 @@ def test_collapse_counts_distinct_tasks_sharing_one_output():
     assert "3 of 5 tasks (4 of 7 outputs)" in alert.message and alert.step == 7
 
 
+def test_collapse_reads_an_agents_answer_not_its_last_tool_call():
+    """Agent rollouts that end on an answer tool call all have an empty last text; their answers differ."""
+    def rollout(task_id, answer):
+        call = f'<tool_call>{{"name": "answer", "arguments": {{"text": "{answer}"}}}}</tool_call>'
+        t = Trajectory(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "raw": call}],
+                       prompt_ids=[1], completion_ids=[2], completion_mask=[1], logprobs=[0.0],
+                       metadata={"task_id": task_id, "state": {"answer": answer, "finish": "answer"}})
+        return Group(task={"id": task_id}, trajectories=[t])
+
+    distinct = [rollout(task, answer) for task, answer in zip("abcde", ["0", "True", "'utf-8'", "json.dumps", "8"])]
+    assert Collapse(CollapseConfig()).observe(1, distinct, {}) == []
+    same = [rollout(task, "True") for task in "abcde"]
+    [alert] = Collapse(CollapseConfig()).observe(1, same, {})
+    assert alert.evidence["text"] == "True" and alert.evidence["tasks"] == 5
+
+
 def test_collapse_ignores_agreement_within_one_task_and_pairs_of_tasks():
     detector = Collapse(CollapseConfig())
     same_within = [group("a", *["Sorting a list in place"] * 4), group("b", "JSON decoding", "Decoding JSON"),

@@ -15,16 +15,28 @@ from grooves.monitors.text import (
     top_content_word, words,
 )
 from grooves.scoring import INJECTION_PATTERNS, input_text, judge_talk
-from grooves.types import Group
+from grooves.types import Group, Trajectory
 
 MAX_EXAMPLES = 5
 
 
 def _outputs(groups: list[Group]) -> list[tuple[str, str, str]]:
-    """(task key, trajectory id, completion text) of every output of the step."""
+    """(task key, trajectory id, output text) of every output of the step."""
     ids = trajectory_ids(groups)
-    return [(task_key(g, k), ids[k][i], t.completion)
+    return [(task_key(g, k), ids[k][i], output_text(t))
             for k, g in enumerate(groups) for i, t in enumerate(g.trajectories)]
+
+
+def output_text(trajectory: Trajectory) -> str:
+    """What a trajectory said in the end: an agent's answer (its last turn is often a tool call
+    with no text, which would make every rollout look alike), else the completion."""
+    state = trajectory.metadata.get("state")
+    if not isinstance(state, dict):
+        return trajectory.completion
+    if state.get("answer") is not None:
+        return str(state["answer"])
+    last = next((m for m in reversed(trajectory.messages) if m.get("role") == "assistant"), {})
+    return last.get("raw") or last.get("content") or ""
 
 
 class Collapse(Detector):
