@@ -121,3 +121,30 @@ def test_packed_linears_decode_like_the_plain_path(monkeypatch):
         policy.model.unmerge_adapter()
     for a, b in zip(merged, plain):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+
+
+def test_prompts_that_begin_alike_prefill_their_common_beginning_once(monkeypatch):
+    """An agent env's tasks share a long system prompt: it runs once, and every row decodes as it
+    would alone (greedy tokens equal, logprobs within float rounding); a row asking to keep its KV
+    gets the whole of it, the shared beginning included."""
+    from grooves.policy import decoding
+
+    policy = Policy.load("tiny", lora=LoRA(rank=4, alpha=8), seed=2)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    system = {"role": "system", "content": "You answer questions about a shop. " * 12}
+    prompts = [policy.chat_ids([system, {"role": "user", "content": ask}]) for ask in ("hi", "a refund?", "hi")]
+    assert decoding._common_prefix(prompts) >= decoding.SHARED_PREFIX_MIN
+    runs = []
+    real = decoding._prefix_past
+    monkeypatch.setattr(decoding, "_prefix_past", lambda *args: runs.append(len(args[2])) or real(*args))
+    rows = [Row(p, temperature=0, max_new_tokens=10, ignore_eos=True, keep_past=True) for p in prompts]
+    together = decode(policy, rows)
+    assert runs == [decoding._common_prefix(prompts)]  # the beginning ran once, for all three rows
+    for prompt, out in zip(prompts, together):
+        single = alone(policy, Row(prompt, temperature=0, max_new_tokens=10, ignore_eos=True))
+        assert out.token_ids == single.token_ids
+        assert max(abs(x - y) for x, y in zip(out.logprobs, single.logprobs)) < 1e-4
+        assert out.past.length == len(prompt) + len(out.token_ids) - 1

@@ -18,6 +18,7 @@ Bookkeeping (training relies on it):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -248,8 +249,16 @@ def _row_past(cache, position: int, attention: torch.Tensor) -> Past:
                  for layer in cache.layers])
 
 
+SHARED_PREFIX_MIN = 64  # tokens; a shorter common beginning is not worth a separate forward
+
+
 def _prefill(model: _Model, device, rows: list[Row]):
-    """Run each distinct (prompt, adapter) once, left-padded, then give every row its own cache copy."""
+    """Run each distinct (prompt, adapter) once, left-padded, then give every row its own cache copy.
+
+    Distinct prompts that begin alike for at least ``SHARED_PREFIX_MIN`` tokens under one adapter
+    (an agent env's system prompt and tools, before each task's own message) run that beginning
+    once: it becomes every prompt's past, and only the rest of each prompt is prefilled.
+    """
     from transformers import DynamicCache
 
     if any(r.past is not None for r in rows):
@@ -259,6 +268,16 @@ def _prefill(model: _Model, device, rows: list[Row]):
     prompts = [list(key[0]) for key in unique]
     if min(len(p) for p in prompts) == 0:
         raise ValueError("a prompt has no tokens")
+    first_of = {source: row for row, source in reversed(list(enumerate(row_source)))}
+    prefill_rows = [first_of[source] for source in range(len(prompts))]  # one row per prompt, for its adapter
+    index = torch.tensor(row_source, device=device)
+    shared = _common_prefix(prompts) if len({key[1] for key in unique}) == 1 else 0
+    if len(prompts) > 1 and shared >= SHARED_PREFIX_MIN:
+        past = _prefix_past(model, device, prompts[0][:shared], prefill_rows[0])
+        firsts = [dataclasses.replace(rows[i], past=past) for i in prefill_rows]
+        cache, logits, attention, lengths = _prefill_past(model, device, firsts, prefill_rows)
+        cache.batch_select_indices(index)
+        return cache, logits[index], attention[index], lengths[index]
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     attention = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
@@ -267,17 +286,36 @@ def _prefill(model: _Model, device, rows: list[Row]):
         attention[i, width - len(p):] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.policy.causal_lm.config)
-    first_of = {source: row for row, source in reversed(list(enumerate(row_source)))}
-    prefill_rows = [first_of[source] for source in range(len(prompts))]  # one row per prompt, for its adapter
     logits = model(prefill_rows, input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (U, V)
-    index = torch.tensor(row_source, device=device)
     cache.batch_select_indices(index)  # (U, ...) -> (N, ...): n samples of a prompt share its prefill
     lengths = torch.tensor([len(p) for p in prompts], device=device)[index]
     return cache, logits[index], attention[index], lengths  # next position of each row = its prompt length
 
 
-def _prefill_past(model: _Model, device, rows: list[Row]):
+def _common_prefix(prompts: list[list[int]]) -> int:
+    """Length of the beginning every prompt shares, short of the shortest prompt's last token
+    (each prompt keeps at least one token of its own to prefill)."""
+    limit = min(len(p) for p in prompts) - 1
+    for position in range(limit):
+        token = prompts[0][position]
+        if any(p[position] != token for p in prompts):
+            return position
+    return max(limit, 0)
+
+
+def _prefix_past(model: _Model, device, prefix: list[int], row: int) -> Past:
+    """The KV of ``prefix``, run once for ``row``'s adapter."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.policy.causal_lm.config)
+    ids = torch.tensor([prefix], device=device)
+    model([row], input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(len(prefix),
+          device=device)[None], cache=cache, use_cache=True, logits_to_keep=1)
+    return Past([(layer.keys[0], layer.values[0]) for layer in cache.layers])
+
+
+def _prefill_past(model: _Model, device, rows: list[Row], model_rows: list[int] | None = None):
     """Prefill rows that bring the KV of their prompt's prefix: only the rest of each prompt runs.
 
     The batch cache holds each row's past right-aligned after left padding, then the prompts'
@@ -310,7 +348,8 @@ def _prefill_past(model: _Model, device, rows: list[Row]):
         attention[i, width_past - cached[i]: width_past] = 1
         attention[i, width_past + width - len(rest):] = 1
         positions[i, width - len(rest):] = torch.arange(cached[i], cached[i] + len(rest), device=device)
-    logits = model(list(range(len(rows))), input_ids=ids, attention_mask=attention, position_ids=positions,
+    active = model_rows if model_rows is not None else list(range(len(rows)))  # rows' indices in the decode
+    logits = model(active, input_ids=ids, attention_mask=attention, position_ids=positions,
                    cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (N, V)
     lengths = torch.tensor([len(r.prompt_ids) for r in rows], device=device)
     return cache, logits, attention, lengths
