@@ -7,6 +7,7 @@ rebuilt path is held to the old one within 1e-6.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,148 @@ def test_train_step_matches_the_path_before_the_primitives(name):
 
 def fresh_policy_state() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in fresh_policy().model.named_parameters() if p.requires_grad}
+
+
+# --- the primitives ----------------------------------------------------------------
+
+from grooves.algorithms.losses import cross_entropy, importance_sampling  # noqa: E402
+from grooves.training.trainer import AdamParams, Datum, LossConfig  # noqa: E402
+
+
+def tinker_datum(seed: int, prompt: int = 4, completion: int = 5) -> Datum:
+    """A datum as the cookbook builds one: the sequence shifted by one, loss inputs 0 on the prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    sequence = torch.randint(3, 200, (prompt + completion,), generator=gen).tolist()
+    n = len(sequence) - 1
+    on = [0.0] * (prompt - 1) + [1.0] * completion
+    advantage = float(torch.randn(1, generator=gen))
+    logprobs = [0.0] * (prompt - 1) + (-torch.rand(completion, generator=gen) - 5).tolist()
+    return Datum(sequence[:-1], sequence[1:], weights=on, logprobs=logprobs,
+                 advantages=[advantage * w for w in on])
+
+
+def direct_logprobs(policy, datum: Datum) -> torch.Tensor:
+    """Every position's log-prob of its target, from the full logits (no grooves fast path)."""
+    logits = policy.causal_lm(input_ids=torch.tensor([datum.tokens])).logits[0].float()  # (N, V)
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(datum.target_tokens)[:, None]).squeeze(-1)
+
+
+def grads(policy) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo"])
+def test_forward_backward_gradient_is_the_summed_loss_of_grooves_functions(loss_fn):
+    from grooves.algorithms.losses import TINKER_LOSSES
+
+    datums = [tinker_datum(1), tinker_datum(2, prompt=3, completion=7)]
+    policy = fresh_policy()
+    trainer = Trainer(policy, algorithms.grpo(), OptimConfig())
+    out = trainer.forward_backward(datums, loss_fn)
+    got = grads(policy)
+
+    policy.model.zero_grad(set_to_none=True)
+    loss, eps_low, eps_high = TINKER_LOSSES[loss_fn]
+    total = 0.0
+    for d in datums:
+        logp = direct_logprobs(policy, d)[None]  # (1, N)
+        old, adv, w = (torch.tensor([v]) for v in (d.logprobs, d.advantages, d.weights))
+        total = total + (loss(logp, old, adv, (w > 0).float(), eps_low, eps_high).per_token * w).sum()
+    total.backward()
+    assert out.loss == pytest.approx(total.item(), rel=1e-5)
+    for name, value in grads(policy).items():
+        assert torch.allclose(got[name], value, atol=1e-6, rtol=1e-4), name
+    assert [len(lp) for lp in out.logprobs] == [len(d.tokens) for d in datums]  # start 0: every position
+    assert out.metrics()["loss:sum"] == out.loss
+
+
+def test_gradients_accumulate_across_calls():
+    datums = [tinker_datum(1), tinker_datum(2)]
+    one = fresh_policy()
+    Trainer(one, algorithms.grpo(), OptimConfig()).forward_backward(datums, "importance_sampling")
+    two = fresh_policy()
+    trainer = Trainer(two, algorithms.grpo(), OptimConfig())
+    first = trainer.forward_backward(datums[:1], "importance_sampling").loss
+    second = trainer.forward_backward(datums[1:], "importance_sampling").loss
+    together, apart = grads(one), grads(two)
+    for name in together:
+        assert torch.allclose(together[name], apart[name], atol=1e-7), name
+    assert first != 0 and second != 0
+
+
+def test_cross_entropy_and_importance_sampling_by_hand():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]])
+    old = torch.tensor([[-1.0, -1.0, -0.5]])
+    adv = torch.tensor([[0.0, 2.0, -1.0]])  # per token
+    mask = torch.ones(1, 3)
+    assert cross_entropy(logp, old, adv, mask).per_token.tolist() == [[1.0, 2.0, 0.5]]
+    # -exp(logp - old) * A: 0, -2 e^-1, +1
+    assert importance_sampling(logp, old, adv, mask).per_token[0].tolist() == pytest.approx(
+        [0.0, -2 * math.exp(-1), 1.0])
+
+
+def test_optim_step_clips_applies_adam_and_clears_the_gradient():
+    policy = fresh_policy()
+    trainer = Trainer(policy, algorithms.grpo(), OptimConfig())
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+    trainer.forward_backward([tinker_datum(1)], "cross_entropy")
+    norm = trainer.optim_step(AdamParams(learning_rate=1e-3, grad_clip_norm=1e-3))
+    assert norm > 1e-3  # the norm before clipping
+    moved = [(p.detach() - before[n]).abs().max().item() for n, p in policy.model.named_parameters()
+             if p.requires_grad]
+    # Adam's first step moves every parameter with a gradient by about lr, whatever the clip
+    assert max(moved) == pytest.approx(1e-3, rel=1e-2)
+    assert all(p.grad is None for p in policy.model.parameters() if p.requires_grad)
+
+
+def test_a_few_cross_entropy_steps_lower_the_loss():
+    policy = fresh_policy()
+    trainer = Trainer(policy, algorithms.grpo(), OptimConfig())
+    datum = tinker_datum(3)
+    losses = []
+    for _ in range(4):
+        losses.append(trainer.forward_backward([datum], "cross_entropy").loss)
+        trainer.optim_step(AdamParams(learning_rate=1e-2))
+    assert losses[-1] < losses[0]
+
+
+def test_nonfinite_gradient_takes_no_step():
+    policy = fresh_policy()
+    trainer = Trainer(policy, algorithms.grpo(), OptimConfig())
+    trainer.forward_backward([tinker_datum(1)], "cross_entropy")
+    next(p for p in policy.model.parameters() if p.requires_grad).grad[0, 0] = float("nan")
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert trainer.optim_step(AdamParams()) is None
+    assert all(torch.equal(p, before[n]) for n, p in policy.model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("datum, message", [
+    (Datum([1, 2, 3], [2, 3]), "as many target_tokens"),
+    (Datum([1, 2, 3], [2, 3, 4], weights=[1.0]), "weights has 1 values for 3 positions"),
+    (Datum([1, 2, 3], [2, 3, 4], start=3), "start 3 is outside"),
+    (Datum([], []), "needs tokens"),
+])
+def test_malformed_datums_are_refused_with_the_reason(datum, message):
+    trainer = Trainer(fresh_policy(), algorithms.grpo(), OptimConfig())
+    with pytest.raises(ValueError, match=message):
+        trainer.forward_backward([datum], "cross_entropy")
+
+
+def test_unknown_loss_names_the_known_ones():
+    trainer = Trainer(fresh_policy(), algorithms.grpo(), OptimConfig())
+    with pytest.raises(ValueError, match="available: .*importance_sampling"):
+        trainer.forward_backward([tinker_datum(1)], "dpo")
+
+
+def test_publish_makes_the_adapter_sampleable_by_name(tmp_path):
+    policy = fresh_policy()
+    trainer = Trainer(policy, algorithms.grpo(), OptimConfig())
+    trainer.forward_backward([tinker_datum(1)], "cross_entropy")
+    trainer.optim_step(AdamParams(learning_rate=1e-2))
+    trainer.step = 3
+    name = trainer.publish(tmp_path / "runs" / "mine")
+    assert name == "mine@3"
+    served = Policy.load(name, runs=tmp_path / "runs")
+    datum = tinker_datum(1)
+    with torch.no_grad():
+        assert torch.allclose(direct_logprobs(served, datum), direct_logprobs(policy, datum), atol=1e-6)
