@@ -161,7 +161,7 @@ def create_app(backend: Backend, tenants: dict[str, Tenant]) -> FastAPI:
                 raise UserError("the loss is not finite (NaN or infinity); the accumulated gradient was dropped")
             return "proto", wire.forward_backward_output(out, datums, loss_fn)
 
-        return future_json(backend.submit_ordered(model, seq_id, run), model_id)
+        return future_json(backend.submit_ordered(model, seq_id, run, metered=True), model_id)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
@@ -226,6 +226,15 @@ def create_app(backend: Backend, tenants: dict[str, Tenant]) -> FastAPI:
 
         return future_json(backend.submit_ordered(model, req.seq_id, run), req.model_id)
 
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
+    async def list_checkpoints(run_id: str, request: Request):
+        return {"checkpoints": backend.list_checkpoints(request.state.tenant, run_id)}
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):
+        backend.delete_checkpoint(request.state.tenant, f"tinker://{run_id}/{checkpoint_id}")
+        return None
+
     # --- sampling --------------------------------------------------------------------------
 
     @app.post("/api/v1/create_sampling_session")
@@ -261,7 +270,8 @@ def create_app(backend: Backend, tenants: dict[str, Tenant]) -> FastAPI:
             checkpoint, key = _checkpoint(tenant, req.model_path, req.base_model), None
         sampling, prompt = _sampling(req), _prompt(req)
         future = backend.submit(tenant, lambda: ("proto", wire.sample_response(
-            *backend.sample(checkpoint, prompt, req.num_samples, sampling, bool(req.prompt_logprobs)))))
+            *backend.sample(checkpoint, prompt, req.num_samples, sampling, bool(req.prompt_logprobs)))),
+            metered=True)
         if key is not None and req.seq_id is not None:
             sampled[key] = future.request_id
         return future_json(future, samples=req.num_samples)

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from grooves.backend.ledger import Ledger, Prices
 from grooves.policy.lora import LoRA
 from grooves.policy.policy import Policy
 from grooves.training.trainer import AdamParams, Trainer
@@ -94,7 +95,8 @@ class SharedBasePolicy(Policy):
 class Backend:
     """All state of a running service; every model operation runs on one worker thread."""
 
-    def __init__(self, spec: str, root: str | Path, *, max_queue: int = 256, device: str = "cpu"):
+    def __init__(self, spec: str, root: str | Path, *, max_queue: int = 256, device: str = "cpu",
+                 prices: Prices = Prices(), budgets: dict[str, float | None] | None = None):
         from grooves.policy.models import load_model
 
         self.spec = spec
@@ -115,9 +117,13 @@ class Backend:
         self.samplers: dict[str, tuple[str, Path | None]] = {}  # sampling session -> (tenant, checkpoint)
         self.futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self.max_queue = max_queue
+        self.ledger = Ledger(self.root / "ledger.sqlite")
+        self.prices = prices
+        self.budgets = budgets or {}
+        self.current: Future | None = None  # the request the worker runs now (for charging)
         self._ready: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self._lock = threading.Condition()
-        self._loaded: collections.OrderedDict[Path, str] = collections.OrderedDict()  # sampler adapters
+        self._loaded: collections.OrderedDict[tuple, str] = collections.OrderedDict()  # sampler adapters
         self._stop = False
         self._worker = threading.Thread(target=self._work, name="grooves-backend", daemon=True)
         self._worker.start()
@@ -142,9 +148,11 @@ class Backend:
         return future
 
     def future(self, tenant: str, request_id: str) -> Future:
+        """A request's future; 410 when unknown (expired, or the service restarted: the SDK resubmits)."""
         future = self.futures.get(request_id)
         if future is None or future.tenant != tenant:
-            raise UserError(f"no request {request_id!r} for this API key", 404)
+            raise UserError(f"no pending request {request_id!r} for this API key (expired, or the service "
+                            "restarted); submit it again", 410)
         return future
 
     def queued(self) -> int:
@@ -152,8 +160,12 @@ class Backend:
             waiting = sum(len(m.waiting) for m in self.models.values())
             return waiting + sum(len(q) for q in self._ready.values())
 
-    def submit(self, tenant: str, op: Callable[[], Any]) -> Future:
-        """Run ``op`` on the worker when the tenant's turn comes; its return value is the result."""
+    def submit(self, tenant: str, op: Callable[[], Any], *, metered: bool = False) -> Future:
+        """Run ``op`` on the worker when the tenant's turn comes; its return value is the result.
+
+        ``metered`` work (it costs tokens) is refused with 402 once the tenant's budget is spent."""
+        if metered:
+            self._check_budget(tenant)
         future = self.new_future(tenant)
         with self._lock:
             self._check_room()
@@ -161,13 +173,16 @@ class Backend:
             self._lock.notify()
         return future
 
-    def submit_ordered(self, model: TrainingModel, seq_id: int | None, op: Callable[[], Any]) -> Future:
+    def submit_ordered(self, model: TrainingModel, seq_id: int | None, op: Callable[[], Any], *,
+                       metered: bool = False) -> Future:
         """Like ``submit``, in ``seq_id`` order within the model; a repeated ``seq_id`` is the same request."""
         with self._lock:
             if seq_id is None:
                 seq_id = max([model.next_seq - 1, *model.waiting, *model.accepted]) + 1
             if seq_id in model.accepted:
                 return self.futures.get(model.accepted[seq_id]) or self._gone(model.tenant, seq_id)
+            if metered:
+                self._check_budget(model.tenant)
             if seq_id < model.next_seq:
                 raise UserError(f"seq_id {seq_id} of model {model.model_id} was already run", 409)
             self._check_room()
@@ -182,6 +197,17 @@ class Backend:
 
     def _gone(self, tenant: str, seq_id: int) -> Future:
         raise UserError(f"the result of seq_id {seq_id} has expired", 410)
+
+    def _check_budget(self, tenant: str) -> None:
+        budget = self.budgets.get(tenant)
+        if budget is not None and self.ledger.spent(tenant, self.prices) >= budget:
+            raise UserError(f"tenant {tenant!r} has spent its budget of {budget} USD", 402)
+
+    def charge(self, model: str, kind: str, *, prompt: int = 0, sampled: int = 0, trained: int = 0) -> None:
+        """Record the running request's tokens (once per request id)."""
+        future = self.current
+        self.ledger.record(future.request_id, future.tenant, model, kind, prompt=prompt, sampled=sampled,
+                           trained=trained)
 
     def _check_room(self) -> None:
         if self.queued() >= self.max_queue:
@@ -208,6 +234,7 @@ class Backend:
                 if item is None:
                     return
             future, op = item
+            self.current = future
             try:
                 future.result = op()
             except UserError as exc:
@@ -221,6 +248,7 @@ class Backend:
             self._stop = True
             self._lock.notify_all()
         self._worker.join(timeout=30)
+        self.ledger.close()
 
     # --- models ---------------------------------------------------------------------------
 
@@ -287,9 +315,15 @@ class Backend:
             if len(datum.tokens) > self.max_context:
                 raise UserError(f"datum {index}: {len(datum.tokens)} tokens exceed the context of {self.max_context}")
         try:
-            return trainer.forward_backward(datums, loss_fn, config, backward=not forward_only)
+            out = trainer.forward_backward(datums, loss_fn, config, backward=not forward_only)
         except ValueError as exc:
             raise UserError(str(exc)) from exc
+        tokens = sum(len(d.tokens) for d in datums)
+        if forward_only:
+            self.charge(model.model_id, "forward", prompt=tokens)
+        else:
+            self.charge(model.model_id, "forward_backward", trained=tokens)
+        return out
 
     def optim_step(self, model: TrainingModel, adam: AdamParams) -> dict[str, float]:
         trainer = self.activate(model)
@@ -316,6 +350,26 @@ class Backend:
         if not (folder / "adapter" / "adapter_config.json").is_file():
             raise UserError(f"no checkpoint {path} for this API key", 404)
         return folder
+
+    def list_checkpoints(self, tenant: str, run_id: str) -> list[dict]:
+        """The checkpoints of one of the caller's models, as the SDK's ``Checkpoint``."""
+        if not _MODEL_ID.match(run_id):
+            raise UserError(f"{run_id!r} is not a model id of this service")
+        run_dir = self.root / tenant / run_id.replace(":", "-")
+        if not (run_dir / "model.json").is_file():
+            raise UserError(f"no model {run_id!r} for this API key", 404)
+        found = []
+        for kind, label in (("weights", "training"), ("sampler_weights", "sampler")):
+            for folder in sorted((run_dir / kind).glob("*")) if (run_dir / kind).is_dir() else []:
+                if not folder.name.startswith(".") and (folder / "state.json").is_file():
+                    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+                    found.append({"checkpoint_id": f"{kind}/{folder.name}", "checkpoint_type": label,
+                                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(folder.stat().st_mtime)),
+                                  "tinker_path": f"tinker://{run_id}/{kind}/{folder.name}", "size_bytes": size})
+        return found
+
+    def delete_checkpoint(self, tenant: str, path: str) -> None:
+        shutil.rmtree(self.resolve(tenant, path))
 
     def save(self, model: TrainingModel, kind: str, name: str, with_optimizer: bool) -> str:
         """Runs on the worker: the adapter (and optimizer) into ``RUN/KIND/NAME``, atomically."""
@@ -387,6 +441,8 @@ class Backend:
             raise UserError(f"prompt plus max_tokens exceed the context of {self.max_context} tokens")
         with self._sampling_adapter(checkpoint):
             completions = self.policy.sampler().generate([prompt], n=n, sampling=sampling)[0]
+            self.charge(sampler_name(checkpoint), "sample", prompt=len(prompt),
+                        sampled=sum(len(c.token_ids) for c in completions))
             scored = None
             if prompt_logprobs and len(prompt) > 1:
                 ids = torch.tensor([prompt])
@@ -405,7 +461,11 @@ class Backend:
         model = self.policy.model
         if checkpoint is None:
             return model.disable_adapter() if isinstance(model, PeftModel) else contextlib.nullcontext()
-        name = self._loaded.get(checkpoint)
+        weights = checkpoint / "adapter" / "adapter_model.safetensors"
+        if not weights.is_file():
+            raise UserError(f"the checkpoint this sampler was made from is gone ({checkpoint.name})", 404)
+        key = (checkpoint, weights.stat().st_mtime_ns)  # a checkpoint saved again under its name is new
+        name = self._loaded.get(key)
         if name is None:
             name = f"sampler-{uuid.uuid4().hex[:12]}"
             if isinstance(model, PeftModel):
@@ -413,14 +473,22 @@ class Backend:
             else:  # a restarted service that has created no model yet
                 self.policy.model = model = PeftModel.from_pretrained(model, str(checkpoint / "adapter"),
                                                                       adapter_name=name)
-            self._loaded[checkpoint] = name
+            self._loaded[key] = name
             while len(self._loaded) > 8:
                 _, old = self._loaded.popitem(last=False)
                 model.delete_adapter(old)
-        self._loaded.move_to_end(checkpoint)
+        self._loaded.move_to_end(key)
         model.set_adapter(name)
         model.eval()
         return contextlib.nullcontext()
+
+
+def sampler_name(checkpoint: Path | None) -> str:
+    """The ledger's model column for sampling: the run the checkpoint belongs to, or "base"."""
+    if checkpoint is None:
+        return "base"
+    run = checkpoint.parent.parent if checkpoint.parent.name in ("weights", "sampler_weights", "checkpoints") else checkpoint
+    return run.name
 
 
 class _NoAlgorithm:
