@@ -7,7 +7,6 @@ request: malformed bodies, crafted paths, repeated seq_ids).
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -28,7 +27,8 @@ ALICE, BOB = "tml-alice-0000000000", "tml-bob-00000000000000"
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    os.environ["HF_HUB_OFFLINE"] = "1"  # the tokenizer the SDK loads is a local folder
+    env = pytest.MonkeyPatch()
+    env.setenv("HF_HUB_OFFLINE", "1")  # the tokenizer the SDK loads is a local folder
     root = tmp_path_factory.mktemp("backend")
     backend = Backend("tiny", root)
     tenants = {ALICE: Tenant("alice", ALICE), BOB: Tenant("bob", BOB)}
@@ -36,6 +36,7 @@ def service(tmp_path_factory):
         port = thread.server.servers[0].sockets[0].getsockname()[1]
         yield backend, f"http://127.0.0.1:{port}"
     backend.close()
+    env.undo()
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """A kill -9 of ``grooves backend serve`` mid-run: after a restart on the same runs root, a client
-that creates its training client from the last saved state (with the optimizer) ends at the same
+that creates its training client from the last saved state (with the optimizer), and the training
+client made before the kill (its model comes back from its last saved state), both end at the same
 adapter as a run that was never interrupted; a request pending at the kill answers 410."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,10 +27,16 @@ DATUM = types.Datum(model_input=types.ModelInput.from_ints(list(range(60, 75))),
 ADAM = types.AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
 
 
-def start(runs, keys) -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(runs, keys, port) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-c", "from grooves.cli import main; main()", "backend", "serve",
-                             "--model", "tiny", "--port", "0", "--keys", str(keys), "--runs", str(runs)],
+                             "--model", "tiny", "--port", str(port), "--keys", str(keys), "--runs", str(runs)],
                             stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 240
     seen = ""
@@ -67,7 +75,8 @@ def test_kill_9_then_restart_and_load_state_continues_to_the_same_adapter(tmp_pa
     keys = tmp_path / "keys.toml"
     keys.write_text(f'[tenants.alice]\nkey = "{KEY}"\n')
     runs = tmp_path / "runs"
-    proc, url = start(runs, keys)
+    port = free_port()
+    proc, url = start(runs, keys, port)
     try:
         client = tinker.ServiceClient(base_url=url, api_key=KEY)
         straight = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
@@ -84,7 +93,7 @@ def test_kill_9_then_restart_and_load_state_continues_to_the_same_adapter(tmp_pa
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    proc, url = start(runs, keys)
+    proc, url = start(runs, keys, port)  # the same port: the clients made before the kill carry on
     try:
         with httpx.Client(base_url=url, headers={"X-API-Key": KEY}) as raw:
             gone = raw.post("/api/v1/retrieve_future", json={"request_id": pending})
@@ -94,11 +103,15 @@ def test_kill_9_then_restart_and_load_state_continues_to_the_same_adapter(tmp_pa
         steps(resumed, 2)
         resumed_path = resumed.save_weights_for_sampler("resumed").result().path
         client.close("success").result()
+        # the client from before the kill: its model comes back from "mid" (the step after it is lost)
+        steps(interrupted, 2)
+        continued_path = interrupted.save_weights_for_sampler("continued").result().path
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    want, got = adapter(runs, straight_path), adapter(runs, resumed_path)
-    assert want.keys() == got.keys() and want
-    for name in want:
-        assert (want[name] - got[name]).abs().max().item() < 1e-5, name
+    want = adapter(runs, straight_path)
+    for got in (adapter(runs, resumed_path), adapter(runs, continued_path)):
+        assert want.keys() == got.keys() and want
+        for name in want:
+            assert (want[name] - got[name]).abs().max().item() < 1e-5, name
     assert any((w != 0).any() for n, w in want.items() if "lora_B" in n)  # it did train

@@ -4,7 +4,6 @@ would pause (402) or cannot send the request; the SDK where it can."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -29,7 +28,8 @@ DATUM = types.Datum(model_input=types.ModelInput.from_ints(list(range(60, 69))),
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    env = pytest.MonkeyPatch()
+    env.setenv("HF_HUB_OFFLINE", "1")  # the tokenizer the SDK loads is a local folder
     root = tmp_path_factory.mktemp("backend")
     # 1 USD per trained token: carol's budget of 20 USD covers two forward_backwards of 9 tokens and a bit
     backend = Backend("tiny", root, max_queue=3, prices=Prices(prompt=0.0, sample=0.0, train=1e6),
@@ -39,6 +39,7 @@ def service(tmp_path_factory):
         port = thread.server.servers[0].sockets[0].getsockname()[1]
         yield backend, f"http://127.0.0.1:{port}"
     backend.close()
+    env.undo()
 
 
 def http(service, key):

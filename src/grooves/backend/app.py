@@ -137,12 +137,22 @@ def create_app(backend: Backend, tenants: dict[str, Tenant]) -> FastAPI:
                 "model_data": {"arch": backend.policy.causal_lm.config.model_type, "model_name": backend.spec,
                                "tokenizer_id": str(backend.tokenizer_dir.resolve())}}
 
+    async def _model(tenant: str, model_id: str):
+        """The caller's model; one an earlier run of the service made comes back from its saved state."""
+        if backend.restorable(tenant, model_id):
+            future = backend.submit(tenant, lambda: backend.restore(tenant, model_id))
+            while not future.done.is_set():
+                await asyncio.sleep(0.02)
+            if future.error is not None:
+                raise UserError(future.error[0], 410 if future.error[1] == "user" else 500)
+        return backend.model(tenant, model_id)
+
     async def _wait_model(tenant: str, model_id: str):
         """The model; a get_info right after create_model may arrive before the worker made it."""
         deadline = time.monotonic() + LONG_POLL_S
         while True:
             try:
-                return backend.model(tenant, model_id)
+                return await _model(tenant, model_id)
             except UserError:
                 if backend.creating.get(model_id) != tenant or time.monotonic() > deadline:
                     raise
@@ -153,7 +163,7 @@ def create_app(backend: Backend, tenants: dict[str, Tenant]) -> FastAPI:
         if PROTO not in request.headers.get("content-type", ""):
             raise UserError(f"forward_backward takes a protobuf body ({PROTO})", 415)
         model_id, seq_id, loss_fn, config, forward_only, datums = wire.parse_forward_backward(await request.body())
-        model = backend.model(request.state.tenant, model_id)
+        model = await _model(request.state.tenant, model_id)
 
         def run():
             out = backend.forward_backward(model, datums, loss_fn, config, forward_only)
@@ -166,7 +176,7 @@ def create_app(backend: Backend, tenants: dict[str, Tenant]) -> FastAPI:
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
         req = await body(request, types.OptimStepRequest)
-        model = backend.model(request.state.tenant, req.model_id)
+        model = await _model(request.state.tenant, req.model_id)
         if not isinstance(req.optim_params, types.AdamParams):
             raise UserError("only Adam parameters (adam_params) are supported")
         p = req.optim_params
@@ -178,7 +188,7 @@ def create_app(backend: Backend, tenants: dict[str, Tenant]) -> FastAPI:
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request):
         req = await body(request, types.SaveWeightsRequest)
-        model = backend.model(request.state.tenant, req.model_id)
+        model = await _model(request.state.tenant, req.model_id)
         name = req.path or f"state-{int(time.time() * 1000)}"
         future = backend.submit_ordered(model, req.seq_id, lambda: ("json", {
             "path": backend.save(model, "weights", name, with_optimizer=True), "type": "save_weights"}))
@@ -188,7 +198,7 @@ def create_app(backend: Backend, tenants: dict[str, Tenant]) -> FastAPI:
     async def save_for_sampler(request: Request):
         req = await body(request, types.SaveWeightsForSamplerRequest)
         tenant = request.state.tenant
-        model = backend.model(tenant, req.model_id)
+        model = await _model(tenant, req.model_id)
 
         def run():
             if req.path is not None:
@@ -218,7 +228,7 @@ def create_app(backend: Backend, tenants: dict[str, Tenant]) -> FastAPI:
             model_id = f"{req.session_id}:train:{req.model_seq_id}"
             backend.creating[model_id] = tenant
             return future_json(backend.submit(tenant, create), model_id)
-        model = backend.model(tenant, req.model_id)
+        model = await _model(tenant, req.model_id)
 
         def run():
             backend.load(model, folder, req.optimizer)

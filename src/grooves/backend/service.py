@@ -69,7 +69,7 @@ class TrainingModel:
     lora: LoRA
     trainer: Trainer
     run_dir: Path
-    next_seq: int = 1
+    next_seq: int | None = 1  # None: restored after a restart, the next request's seq_id is taken
     accepted: dict[int, str] = field(default_factory=dict)  # seq_id -> request_id
     waiting: dict[int, Callable] = field(default_factory=dict)  # seq_id -> op, until its turn
 
@@ -133,11 +133,18 @@ class Backend:
     def create_session(self, tenant: str) -> str:
         session = uuid.uuid4().hex
         self.sessions[session] = tenant
+        marker = self.root / tenant / ".sessions" / session  # sessions outlive a restart
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
         return session
 
     def check_session(self, tenant: str, session: str) -> None:
-        if self.sessions.get(session) != tenant:
-            raise UserError(f"no session {session!r} for this API key", 404)
+        if self.sessions.get(session) == tenant:
+            return
+        if re.fullmatch(r"[0-9a-f]{32}", session or "") and (self.root / tenant / ".sessions" / session).is_file():
+            self.sessions[session] = tenant
+            return
+        raise UserError(f"no session {session!r} for this API key", 404)
 
     def new_future(self, tenant: str) -> Future:
         future = Future(uuid.uuid4().hex, tenant)
@@ -181,6 +188,8 @@ class Backend:
                 seq_id = max([model.next_seq - 1, *model.waiting, *model.accepted]) + 1
             if seq_id in model.accepted:
                 return self.futures.get(model.accepted[seq_id]) or self._gone(model.tenant, seq_id)
+            if model.next_seq is None:  # restored after a restart: the client's next request sets the count
+                model.next_seq = seq_id
             if metered:
                 self._check_budget(model.tenant)
             if seq_id < model.next_seq:
@@ -251,6 +260,28 @@ class Backend:
         self.ledger.close()
 
     # --- models ---------------------------------------------------------------------------
+
+    def restorable(self, tenant: str, model_id: str) -> bool:
+        """A model of the caller's that an earlier run of the service created (it is not loaded now)."""
+        return (model_id not in self.models and bool(_MODEL_ID.match(model_id or ""))
+                and (self.root / tenant / model_id.replace(":", "-") / "model.json").is_file())
+
+    def restore(self, tenant: str, model_id: str) -> str:
+        """Runs on the worker: bring a model back from its newest saved state (weights and optimizer)."""
+        if model_id in self.models:
+            return model_id
+        run_dir = self.root / tenant / model_id.replace(":", "-")
+        saved = sorted((f for f in (run_dir / "weights").glob("*") if (f / "trainer.pt").is_file()),
+                       key=lambda f: f.stat().st_mtime_ns) if (run_dir / "weights").is_dir() else []
+        if not saved:
+            raise UserError(f"model {model_id} was lost when the service restarted: it had no saved state "
+                            "(save_state) to come back from", 410)
+        lora = LoRA(**json.loads((run_dir / "model.json").read_text())["lora"])
+        session, _, seq = model_id.split(":")
+        model = self.models[self.create_model(tenant, session, int(seq), lora, seed=0)]
+        self.load(model, saved[-1], with_optimizer=True)
+        model.next_seq = None
+        return model_id
 
     def model(self, tenant: str, model_id: str) -> TrainingModel:
         model = self.models.get(model_id)
