@@ -7,6 +7,8 @@ request: malformed bodies, crafted paths, repeated seq_ids).
 
 from __future__ import annotations
 
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -252,3 +254,33 @@ def test_cli_refuses_a_bad_keys_file_without_a_traceback(tmp_path):
     assert "tenants.alice.key must be a string" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(app, ["backend", "serve", "--keys", str(tmp_path / "none.toml"), "--model", "tiny"])
     assert result.exit_code == 2 and "cannot read the keys file" in result.output
+
+
+def test_tenants_take_turns_on_the_worker(service):
+    backend = service[0]
+    release, order = threading.Event(), []
+    backend.submit("carol", lambda: release.wait(30) and ("json", {}))
+    while backend.queued():
+        time.sleep(0.01)
+    futures = [backend.submit(t, lambda t=t, i=i: order.append(f"{t}{i}") or ("json", {}))
+               for t, i in (("alice", 1), ("alice", 2), ("alice", 3), ("bob", 1), ("bob", 2))]
+    release.set()
+    for future in futures:
+        assert future.done.wait(30)
+    assert order == ["alice1", "bob1", "alice2", "bob2", "alice3"]
+
+
+def test_oversized_compressed_and_non_protobuf_bodies_are_refused(service, monkeypatch):
+    from grooves.backend import wire
+
+    with raw(service) as http:
+        response = http.post("/api/v1/forward_backward", content=b"{}", headers={"Content-Type": "application/json"})
+        assert response.status_code == 415 and "protobuf" in response.json()["detail"]
+        response = http.post("/api/v1/forward_backward", content=b"\x00" * 10,
+                             headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"})
+        assert response.status_code == 415
+        monkeypatch.setattr(wire, "MAX_BODY_BYTES", 100)
+        response = http.post("/api/v1/forward_backward", content=b"\x00" * 101,
+                             headers={"Content-Type": "application/x-protobuf"})
+        assert response.status_code == 413 and "100 bytes" in response.json()["detail"]
+        assert http.get("/api/v1/healthz").status_code == 200

@@ -70,8 +70,8 @@ def fwdbwd(client, model_id, seq_id):
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[DATUM], loss_fn="cross_entropy"),
         model_id=model_id, seq_id=seq_id)
-    return client.post("/api/v1/forward_backward", content=forward_backward_request_to_proto(request).SerializeToString(),
-                       headers={"Content-Type": "application/x-protobuf"})
+    body = forward_backward_request_to_proto(request).SerializeToString()  # the SDK's own encoder
+    return client.post("/api/v1/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"})
 
 
 def test_every_route_hides_another_tenants_things(service):

@@ -75,7 +75,8 @@ def run_case(name: str) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]
 
 
 def make_reference() -> None:
-    """Run on the code before the refactor: ``python -c 'import tests.test_trainer_primitives as t; t.make_reference()'``."""
+    """Was run on the code before the refactor (commit 38cb918):
+    ``python -c 'import tests.test_trainer_primitives as t; t.make_reference()'``."""
     torch.save({name: run_case(name) for name in CASES}, REFERENCE)
 
 

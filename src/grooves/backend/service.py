@@ -193,7 +193,7 @@ class Backend:
             if metered:
                 self._check_budget(model.tenant)
             if seq_id < model.next_seq:
-                raise UserError(f"seq_id {seq_id} of model {model.model_id} was already run", 409)
+                raise UserError(f"seq_id {seq_id} of model {model.model_id} was already run; it cannot run again")
             self._check_room()
             future = self.new_future(model.tenant)
             model.accepted[seq_id] = future.request_id
@@ -298,7 +298,8 @@ class Backend:
         model_id = f"{session}:train:{model_seq_id}"
         if model_id in self.models:
             return model_id  # a retried create
-        if getattr(self.policy.causal_lm.config, "tie_word_embeddings", False) and isinstance(lora.target_modules, list):
+        tied = getattr(self.policy.causal_lm.config, "tie_word_embeddings", False)
+        if tied and isinstance(lora.target_modules, list):
             # the output head shares the input embedding: PEFT cannot keep a LoRA on it tied (merging
             # and export would break), so train_unembed adapts nothing on such a model
             targets = [m for m in lora.target_modules if m not in UNEMBED]
@@ -342,7 +343,8 @@ class Backend:
         for index, datum in enumerate(datums):
             bad = [t for t in (*datum.tokens, *datum.target_tokens) if not 0 <= t < self.vocab_size]
             if bad:
-                raise UserError(f"datum {index}: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+                raise UserError(f"datum {index}: token id {bad[0]} is outside the vocabulary "
+                                f"(0..{self.vocab_size - 1})")
             if len(datum.tokens) > self.max_context:
                 raise UserError(f"datum {index}: {len(datum.tokens)} tokens exceed the context of {self.max_context}")
         try:
@@ -518,8 +520,8 @@ def sampler_name(checkpoint: Path | None) -> str:
     """The ledger's model column for sampling: the run the checkpoint belongs to, or "base"."""
     if checkpoint is None:
         return "base"
-    run = checkpoint.parent.parent if checkpoint.parent.name in ("weights", "sampler_weights", "checkpoints") else checkpoint
-    return run.name
+    inside = checkpoint.parent.name in ("weights", "sampler_weights", "checkpoints")
+    return (checkpoint.parent.parent if inside else checkpoint).name
 
 
 class _NoAlgorithm:
