@@ -78,7 +78,7 @@ def test_kill_9_then_restart_and_load_state_continues_to_the_same_adapter(tmp_pa
     port = free_port()
     proc, url = start(runs, keys, port)
     try:
-        client = tinker.ServiceClient(base_url=url, api_key=KEY)
+        first_client = client = tinker.ServiceClient(base_url=url, api_key=KEY)
         straight = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         steps(straight, 4)
         straight_path = straight.save_weights_for_sampler("straight").result().path
@@ -106,6 +106,7 @@ def test_kill_9_then_restart_and_load_state_continues_to_the_same_adapter(tmp_pa
         # the client from before the kill: its model comes back from "mid" (the step after it is lost)
         steps(interrupted, 2)
         continued_path = interrupted.save_weights_for_sampler("continued").result().path
+        first_client.close("success").result()  # its heartbeats would outlive the test
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

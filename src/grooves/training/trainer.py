@@ -41,9 +41,9 @@ import torch
 from grooves.algorithms import AGGREGATIONS, ESTIMATORS, LOSSES, Algorithm, k3_kl, overlong_penalty
 from grooves.algorithms.losses import TINKER_LOSSES
 from grooves.policy.logprobs import TokenBatch, build_token_batch, completion_logprobs, shared_prompt_logprobs
-from grooves.training.datums import Datum, DatumBatch, trajectory_datums
 from grooves.policy.policy import Policy
 from grooves.training.config import OptimConfig
+from grooves.training.datums import Datum, DatumBatch, trajectory_datums
 from grooves.types import Group, Trajectory
 
 
@@ -81,6 +81,9 @@ class ForwardBackwardOutput:
 
 @dataclass
 class AdamParams:
+    """One ``optim_step``'s AdamW settings (decoupled weight decay). The defaults are torch's, as
+    ``train_step`` has always used; Tinker's SDK sends its own (beta2 0.95, eps 1e-12)."""
+
     learning_rate: float = 1e-4
     beta1: float = 0.9
     beta2: float = 0.999
