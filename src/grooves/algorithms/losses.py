@@ -1,11 +1,16 @@
 """Policy losses, loss aggregation and the KL penalty: pure functions of tensors.
 
 Shapes: ``logp``, ``old_logp``, ``ref_logp`` and ``mask`` are ``(B, T)`` over completion
-tokens; ``advantages`` is ``(B,)``. A loss returns per-token values (to be minimised) and
+tokens; ``advantages`` is ``(B,)`` (one per sequence) or ``(B, T)`` (one per token, as in
+Tinker's ``Datum``). A loss returns per-token values (to be minimised) and
 a boolean ``(B, T)`` mask of tokens where clipping changed the objective (for
 ``clipfrac``). Aggregation turns per-token values into one scalar through weights that
 are computed once over the *whole* batch, so gradient accumulation over micro-batches
 gives exactly the full-batch gradient.
+
+Tinker's losses (``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``) are the same
+per-token values *summed* over tokens, with no normalisation: ``TINKER_LOSSES`` maps their names
+to these functions, and the caller's per-token ``weights`` (1 where Tinker has none) do the sum.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ def ppo_clip(logp, old_logp, advantages, mask, eps_low: float, eps_high: float) 
     ``L_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)``  (Schulman et al. 2017; Yu et al. 2025).
     """
     ratio = torch.exp(logp - old_logp)  # (B, T)
-    adv = advantages[:, None]  # (B, 1)
+    adv = per_token(advantages)  # (B, 1) or (B, T)
     pg_loss1 = -adv * ratio
     pg_loss2 = -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     return PolicyLoss(torch.maximum(pg_loss1, pg_loss2), (pg_loss2 > pg_loss1) & (mask > 0))
@@ -45,7 +50,7 @@ def gspo(logp, old_logp, advantages, mask, eps_low: float, eps_high: float) -> P
     lengths = mask.sum(-1).clamp(min=1)  # (B,)
     log_s = ((logp - old_logp) * mask).sum(-1) / lengths  # (B,)
     weight = torch.exp(log_s.detach()[:, None] + logp - logp.detach())  # (B, T), value s_i
-    adv = advantages[:, None]
+    adv = per_token(advantages)
     pg_loss1 = -adv * weight
     pg_loss2 = -adv * torch.clamp(weight, 1 - eps_low, 1 + eps_high)
     return PolicyLoss(torch.maximum(pg_loss1, pg_loss2), (pg_loss2 > pg_loss1) & (mask > 0))
@@ -59,10 +64,42 @@ def cispo(logp, old_logp, advantages, mask, eps_low: float, eps_high: float) -> 
     ratio = torch.exp(logp - old_logp)
     weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach()
     clipped = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) & (mask > 0)
-    return PolicyLoss(-weight * advantages[:, None] * logp, clipped)
+    return PolicyLoss(-weight * per_token(advantages) * logp, clipped)
+
+
+def importance_sampling(logp, old_logp, advantages, mask, eps_low: float = 0.0, eps_high: float = 0.0) -> PolicyLoss:
+    """Tinker's ``importance_sampling``: the REINFORCE objective corrected for the sampler.
+
+    ``L_t = -exp(logp_t - old_logp_t) * A_t``, no clipping (``eps_*`` are ignored); Tinker
+    sums it over every token, so tokens outside the completion carry ``A_t = 0``.
+    """
+    ratio = torch.exp(logp - old_logp)
+    return PolicyLoss(-ratio * per_token(advantages), torch.zeros_like(mask, dtype=torch.bool))
+
+
+def cross_entropy(logp, old_logp, advantages, mask, eps_low: float = 0.0, eps_high: float = 0.0) -> PolicyLoss:
+    """Tinker's ``cross_entropy``: ``L_t = -logp_t``; the caller weights tokens (``weights``) and sums.
+
+    Only ``logp`` is used; the other arguments keep the signature of the policy losses.
+    """
+    return PolicyLoss(-logp, torch.zeros_like(logp, dtype=torch.bool))
+
+
+def per_token(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages as a ``(B, 1)`` column (one per sequence) or unchanged ``(B, T)`` (one per token)."""
+    return advantages[:, None] if advantages.dim() == 1 else advantages
 
 
 LOSSES = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo}
+
+# Tinker's loss names -> (loss, default eps_low, default eps_high). Tinker's clip thresholds are
+# ratio bounds: ``clip_low_threshold = 1 - eps_low``, ``clip_high_threshold = 1 + eps_high``.
+TINKER_LOSSES = {
+    "cross_entropy": (cross_entropy, 0.0, 0.0),
+    "importance_sampling": (importance_sampling, 0.0, 0.0),
+    "ppo": (ppo_clip, 0.2, 0.2),
+    "cispo": (cispo, 0.2, 0.2),
+}
 
 
 # --- aggregation: per-token weights over the whole batch ---------------------------

@@ -341,8 +341,9 @@ def demo(
 
 
 def _register_groups() -> None:
-    from grooves.cli import base, envs, review, rewards, rm, sft
+    from grooves.cli import backend, base, envs, review, rewards, rm, sft
 
+    app.add_typer(backend.app, name="backend")
     app.add_typer(base.app, name="base")
     app.add_typer(envs.app, name="env")
     app.add_typer(rm.app, name="rm")

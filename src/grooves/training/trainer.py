@@ -1,5 +1,12 @@
 """One policy update from groups made anywhere: ``Trainer.train_step(groups) -> metrics``.
 
+It is a thin layer over the trainer's primitives, in the shape Tinker made standard:
+``forward_backward(datums, loss_fn, config)`` (per-token datums; gradients accumulate across
+calls), ``optim_step(adam)`` and ``publish(run_dir)`` (the adapter becomes ``RUN@STEP``).
+``train_step`` turns groups into datums whose ``weights`` carry the algorithm's aggregation,
+so its loss is the same weighted sum of per-token losses that ``forward_backward`` computes for
+Tinker's losses (which are plain sums).
+
 The step: drop trajectories whose reward failed (NaN) and groups left with fewer than 2,
 shape rewards (DAPO overlong punishment), compute advantages per group, then
 ``num_iterations`` passes of micro-batched forward/backward with one AdamW step per pass.
@@ -26,15 +33,17 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from grooves.algorithms import AGGREGATIONS, ESTIMATORS, LOSSES, Algorithm, k3_kl, overlong_penalty
+from grooves.algorithms.losses import TINKER_LOSSES
 from grooves.policy.logprobs import TokenBatch, build_token_batch, completion_logprobs, shared_prefix_logprobs
 from grooves.policy.policy import Policy
 from grooves.training.config import OptimConfig
+from grooves.training.datums import Datum, DatumBatch, trajectory_datums
 from grooves.types import Group, Trajectory
 
 
@@ -43,6 +52,44 @@ class PreparedBatch:
     trajectories: list[Trajectory]
     advantages: torch.Tensor  # (N,)
     metrics: dict[str, float]
+
+
+@dataclass
+class LossConfig:
+    """Settings of one ``forward_backward`` call's loss."""
+
+    eps_low: float | None = None  # None = the loss's default (Tinker's 0.2 for ppo and cispo)
+    eps_high: float | None = None
+    kl_coef: float = 0.0  # adds kl_coef * k3(logp, ref_logprobs) per token
+    entropy: bool = False  # report the token-mean entropy (costs a softmax over the vocabulary)
+
+
+@dataclass
+class ForwardBackwardOutput:
+    loss: float  # the summed loss of every datum
+    logprobs: list[torch.Tensor]  # per datum, positions start..N-1
+    sums: dict[str, float] = field(default_factory=dict)  # diagnostics over the loss's tokens
+    counts: dict[str, float] = field(default_factory=dict)
+    finite: bool = True  # False: a non-finite loss; every accumulated gradient was dropped
+
+    def metrics(self) -> dict[str, float]:
+        """Tinker-style metric names: ``name:reduction``."""
+        out = {"loss:sum": self.loss}
+        out.update({f"{name}:mean": total / max(self.counts[name], 1.0) for name, total in self.sums.items()})
+        return out
+
+
+@dataclass
+class AdamParams:
+    """One ``optim_step``'s AdamW settings (decoupled weight decay). The defaults are torch's, as
+    ``train_step`` has always used; Tinker's SDK sends its own (beta2 0.95, eps 1e-12)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping
 
 
 class Trainer:
@@ -70,15 +117,78 @@ class Trainer:
                                            weight_decay=optim.weight_decay)
         self.step = 0
 
-    # --- public ------------------------------------------------------------------
+    # --- primitives ----------------------------------------------------------------
+
+    def forward_backward(self, datums: list[Datum], loss_fn: str, config: LossConfig | None = None,
+                         *, backward: bool = True) -> ForwardBackwardOutput:
+        """Sum of ``weights * loss`` over every token of every datum; its gradient is *added* to the
+        adapter's (call ``optim_step`` to apply it). ``loss_fn``: Tinker's ``cross_entropy``,
+        ``importance_sampling``, ``ppo``, ``cispo`` or grooves' ``ppo_clip``, ``gspo``."""
+        loss, eps_low, eps_high = _loss_fn(loss_fn, config := config or LossConfig())
+        batch = DatumBatch.build(datums, self.policy.device)
+        out = ForwardBackwardOutput(0.0, [torch.zeros(0)] * len(datums))
+        self.policy.model.train(backward)
+        try:
+            for rows in batch.tokens.chunks(self.optim.micro_batch_size):
+                micro = batch.select(rows)
+                with torch.set_grad_enabled(backward):
+                    logp, entropy = self._logprobs(micro.tokens, with_entropy=config.entropy, shifted=batch.shifted)
+                    mask = (micro.weights != 0).float()  # (b, T) tokens in the loss
+                    old = logp.detach() if micro.old_logprobs is None else micro.old_logprobs
+                    terms = loss(logp, old, micro.advantages, mask, eps_low, eps_high)
+                    per_token = terms.per_token
+                    if micro.ref_logprobs is not None:
+                        kl = k3_kl(logp, micro.ref_logprobs)
+                        if config.kl_coef > 0:
+                            per_token = per_token + config.kl_coef * kl
+                        _add(out, "kl", kl, mask)
+                    chunk_loss = (per_token * micro.weights).sum()
+                if not torch.isfinite(chunk_loss):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    out.finite = False
+                    return out
+                if backward:
+                    chunk_loss.backward()
+                out.loss += chunk_loss.item()
+                _add(out, "clipfrac", terms.clipped.float(), mask)
+                _add(out, "approx_kl", k3_kl(old, logp.detach()), mask)
+                if entropy is not None:
+                    _add(out, "entropy", entropy, mask)
+                for i, row in enumerate(rows.tolist()):
+                    out.logprobs[row] = logp[i, : batch.lengths[row]].detach().cpu()
+        finally:
+            self.policy.model.eval()
+        return out
+
+    def optim_step(self, adam: AdamParams) -> float | None:
+        """One AdamW step on the accumulated gradient (clipped to ``grad_clip_norm``), then clear it.
+
+        Returns the gradient norm before clipping, or None when it is not finite (no step is taken).
+        """
+        for group in self.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        clip = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.item()
+
+    def publish(self, run_dir: str | Path) -> str:
+        """Save a checkpoint of the current step; return its name ``RUN@STEP`` (servable at once)."""
+        self.save(run_dir)
+        return f"{Path(run_dir).name}@{self.step}"
+
+    # --- the RL step on top ----------------------------------------------------------
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         """Update the adapter once from scored groups; return the step's metrics."""
         start = time.perf_counter()
         lr = self.optim.learning_rate * lr_factor(self.step, self.optim.warmup_steps, self.total_steps,
                                                   self.optim.lr_schedule)
-        for param_group in self.optimizer.param_groups:
-            param_group["lr"] = lr
         groups, stale = drop_stale(groups, self.step, self.max_staleness)
         prepared = prepare_batch(groups, self.algorithm, self.max_completion_length)
         prepared.metrics["train/trajectories_stale"] = float(stale)
@@ -92,7 +202,7 @@ class Trainer:
         if self.algorithm.mask_truncated:
             truncated = torch.tensor([t.truncated for t in prepared.trajectories], device=batch.mask.device)
             batch.mask = batch.mask * (~truncated)[:, None]
-        metrics.update(self._optimise(batch, prepared.advantages.to(self.policy.device)))
+        metrics.update(self._optimise(prepared.trajectories, batch, prepared.advantages.to(self.policy.device), lr))
         tokens = sum(len(t.completion_ids) for t in prepared.trajectories)
         elapsed = time.perf_counter() - start
         metrics.update({"train/step_time": elapsed, "train/update_tokens_per_s": tokens / elapsed})
@@ -114,63 +224,34 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
 
-    # --- the update ----------------------------------------------------------------
-
-    def _optimise(self, batch: TokenBatch, advantages: torch.Tensor) -> dict[str, float]:
+    def _optimise(self, trajectories: list[Trajectory], batch: TokenBatch, advantages: torch.Tensor,
+                  lr: float) -> dict[str, float]:
+        """``num_iterations`` passes of forward_backward + optim_step over the batch's datums."""
         alg = self.algorithm
         weights = AGGREGATIONS[alg.aggregation](batch.mask, self.max_completion_length)  # (B, T)
         old_logp = self._old_logprobs(batch)
         track_kl = alg.beta > 0 or (self.kl_every > 0 and self.step % self.kl_every == 0)
         ref_logp = self._reference_logprobs(batch) if track_kl else None
+        datums = trajectory_datums(trajectories, batch, weights, advantages, old_logp, ref_logp)
+        adam = AdamParams(lr, *self.optim.betas, weight_decay=self.optim.weight_decay,
+                          grad_clip_norm=self.optim.max_grad_norm)
         stats = _Stats()
         # A later pass that fails must not leave the earlier passes' updates behind.
         snapshot = self._snapshot() if alg.num_iterations > 1 else None
-        self.policy.model.train()
-        try:
-            for iteration in range(alg.num_iterations):
-                grad_norm = self._pass(batch, advantages, weights, old_logp, ref_logp, stats, first=iteration == 0)
-                if grad_norm is None:
-                    self._restore(snapshot)
-                    return {"alerts/nan_loss": 1.0, "train/skipped": 1.0}
-                stats.grad_norm = grad_norm
-                self.optimizer.step()
-        finally:
-            self.policy.model.eval()
-        return stats.metrics()
-
-    def _pass(self, batch, advantages, weights, old_logp, ref_logp, stats: _Stats, first: bool) -> float | None:
-        """One forward/backward over the batch in micro-batches; the gradient norm, or None if not finite."""
-        alg = self.algorithm
         self.optimizer.zero_grad(set_to_none=True)
-        pass_loss = 0.0
-        for rows in batch.chunks(self.optim.micro_batch_size):
-            micro = batch.select(rows)
-            logp, entropy = self._logprobs(micro, with_entropy=first)
-            old = logp.detach() if old_logp is None else old_logp[rows]
-            terms = LOSSES[alg.loss](logp, old, advantages[rows], micro.mask, alg.eps_low, alg.eps_high)
-            per_token = terms.per_token
-            if ref_logp is not None:
-                kl = k3_kl(logp, ref_logp[rows])
-                if alg.beta > 0:
-                    per_token = per_token + alg.beta * kl
-                if first:
-                    stats.add("kl", kl, micro.mask)
-            loss = (per_token * weights[rows]).sum()
-            if not torch.isfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                return None
-            loss.backward()
-            pass_loss += loss.item()
-            stats.add("clipfrac", terms.clipped.float(), micro.mask)
-            stats.add("train/approx_kl", k3_kl(old, logp.detach()), micro.mask)
-            if entropy is not None:
-                stats.add("entropy", entropy, micro.mask)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
-        stats.losses.append(pass_loss)
-        return grad_norm.item()
+        for iteration in range(alg.num_iterations):
+            first = iteration == 0
+            config = LossConfig(alg.eps_low, alg.eps_high, kl_coef=alg.beta, entropy=first)
+            # the KL is logged from the first pass; later passes need it only as a penalty
+            later = datums if alg.beta > 0 else _without_ref(datums)
+            out = self.forward_backward(datums if first else later, alg.loss, config)
+            grad_norm = self.optim_step(adam) if out.finite else None
+            if grad_norm is None:
+                self._restore(snapshot)
+                return {"alerts/nan_loss": 1.0, "train/skipped": 1.0}
+            stats.merge(out, log_kl=first)
+            stats.grad_norm = grad_norm
+        return stats.metrics()
 
     def _snapshot(self) -> dict:
         return {"params": [p.detach().clone() for p in self.params],
@@ -203,16 +284,41 @@ class Trainer:
             logp[rows] = self._logprobs(batch.select(rows))[0]
         return logp
 
-    def _logprobs(self, micro: TokenBatch, with_entropy: bool = False):
+    def _logprobs(self, micro: TokenBatch, with_entropy: bool = False, shifted: bool = True):
         """Log-probs of one chunk (its rows share a prompt): the prompt runs once when enabled.
 
         Activation checkpointing makes transformers drop the KV cache in training mode, which
-        the shared-prompt path needs, so it falls back to the plain path then.
+        the shared-prompt path needs, so it falls back to the plain path then; so do datums whose
+        targets are not the next input tokens.
         """
         lm = self.policy.causal_lm
         checkpointing = getattr(lm, "is_activation_checkpointing", False)
-        forward = shared_prefix_logprobs if self.share_prompt and not checkpointing else completion_logprobs
+        shared = self.share_prompt and shifted and not checkpointing
+        forward = shared_prefix_logprobs if shared else completion_logprobs
         return forward(lm, micro, self.temperature, with_entropy)
+
+
+def _loss_fn(name: str, config: LossConfig):
+    """(loss function, eps_low, eps_high) for a Tinker or grooves loss name."""
+    if name in TINKER_LOSSES:
+        loss, eps_low, eps_high = TINKER_LOSSES[name]
+    elif name in LOSSES:
+        loss, eps_low, eps_high = LOSSES[name], 0.2, 0.2
+    else:
+        known = ", ".join(sorted({*TINKER_LOSSES, *LOSSES}))
+        raise ValueError(f"unknown loss_fn {name!r}; available: {known}")
+    return (loss, eps_low if config.eps_low is None else config.eps_low,
+            eps_high if config.eps_high is None else config.eps_high)
+
+
+def _add(out: ForwardBackwardOutput, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+    with torch.no_grad():
+        out.sums[name] = out.sums.get(name, 0.0) + (values * mask).sum().item()
+        out.counts[name] = out.counts.get(name, 0.0) + mask.sum().item()
+
+
+def _without_ref(datums: list[Datum]) -> list[Datum]:
+    return [replace(d, ref_logprobs=None) for d in datums]
 
 
 def drop_stale(groups: list[Group], step: int, max_staleness: int | None) -> tuple[list[Group], int]:
@@ -280,10 +386,16 @@ class _Stats:
         self.losses: list[float] = []
         self.grad_norm = 0.0
 
-    @torch.no_grad()
-    def add(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + (values * mask).sum().item()
-        self.counts[name] = self.counts.get(name, 0.0) + mask.sum().item()
+    _NAMES = {"approx_kl": "train/approx_kl"}
+
+    def merge(self, out: ForwardBackwardOutput, log_kl: bool) -> None:
+        for name, total in out.sums.items():
+            if name == "kl" and not log_kl:
+                continue
+            key = self._NAMES.get(name, name)
+            self.sums[key] = self.sums.get(key, 0.0) + total
+            self.counts[key] = self.counts.get(key, 0.0) + out.counts[name]
+        self.losses.append(out.loss)
 
     def metrics(self) -> dict[str, float]:
         out = {"loss/policy": sum(self.losses) / max(1, len(self.losses)), "train/grad_norm": self.grad_norm}
