@@ -301,7 +301,7 @@ def measure(a_name: str, b_name: str, *, runs: str | Path | None = None, base: s
 
     a, b = resolve_side(a_name, runs), resolve_side(b_name, runs)
     spec = common_base(a, b, base)
-    model, tokenizer = load_model(spec)
+    model, tokenizer = load_model(spec, seed=_run_seed(a, b))
     weights = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     deltas = {side.name: lora_deltas(side.adapter) if not side.is_base else {} for side in (a, b)}
     modules = weight_drift(weights, deltas[a.name], deltas[b.name])
@@ -311,6 +311,17 @@ def measure(a_name: str, b_name: str, *, runs: str | Path | None = None, base: s
         _measure_outputs(report, model, tokenizer, spec, (a, b), prompts_file, untrained_file, n_prompts,
                          max_new_tokens)
     return report
+
+
+def _run_seed(*sides: Side) -> int:
+    """The seed of the run a checkpoint came from: the random-weight ``tiny`` base is built from it."""
+    import tomllib
+
+    for side in sides:
+        if side.run_dir is not None and (side.run_dir / "config.toml").is_file():
+            seed = tomllib.loads((side.run_dir / "config.toml").read_text()).get("seed", 0)
+            return seed if isinstance(seed, int) else 0
+    return 0
 
 
 def _measure_outputs(report: DriftReport, model, tokenizer, spec: str, sides: tuple[Side, Side],
