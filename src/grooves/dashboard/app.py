@@ -74,6 +74,11 @@ def create_app(root: Path, *, check_host: bool = True) -> FastAPI:
     async def bad_compare(_request, error):
         return JSONResponse({"error": str(error)}, status_code=400)
 
+    @app.exception_handler(Exception)
+    async def unexpected(_request, error):  # the page shows a line; the traceback goes to the server's log
+        return JSONResponse({"error": f"internal error ({type(error).__name__}: {error}); see the dashboard's log"},
+                            status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request, error):
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from grooves.dashboard.runs import run_dir
+from grooves.policy.checkpoints import CheckpointError, resolve_checkpoint
 from grooves.tasks.sources import TaskSourceError
 from grooves.training.config import ConfigError, load_config
 
@@ -39,16 +40,23 @@ def compare(root: Path, run: str, a: str, b: str) -> dict[str, Any]:
     from grooves.training.api import task_sets
 
     folder = run_dir(root, run)
+    names = [side_name(run, a), side_name(run, b)]
+    for name in names:  # before any model loads: a wrong name answers at once
+        if name != BASE:
+            try:
+                resolve_checkpoint(name, root)
+            except CheckpointError as error:
+                raise CompareError(str(error)) from None
     try:
         config = load_config(folder / "config.toml")
         sets = task_sets(config)
     except (ConfigError, TaskSourceError, FileNotFoundError, ModuleNotFoundError) as error:
-        raise CompareError(f"the run's config.toml cannot be used here: {error} (paths in it are relative to "
-                           "where the run was started; start the dashboard there)") from None
+        hint = (" (relative paths in it are read from where the dashboard was started: start it where the run was)"
+                if isinstance(error, (TaskSourceError, FileNotFoundError)) else "")
+        raise CompareError(f"the run's config.toml cannot be used here: {error}{hint}") from None
     heldout = [(s, s.heldout[: config.log.val_size]) for s in sets if s.heldout]
     if not heldout:
         raise CompareError(f"run {run} has no held-out tasks to compare on")
-    names = [side_name(run, a), side_name(run, b)]
     sides = [_evaluate(root, config, heldout, name) for name in names]
     tasks = [{"task_id": str(t.get("id")), "prompt": _prompt_text(ts.render(t))} for ts, ts_tasks in heldout
              for t in ts_tasks]
