@@ -341,7 +341,7 @@ def demo(
 
 
 def _register_groups() -> None:
-    from grooves.cli import base, dashboard, drift, envs, review, rewards, rm, sft
+    from grooves.cli import base, dashboard, drift, envs, evals, review, rewards, rm, sft
 
     app.add_typer(base.app, name="base")
     app.add_typer(envs.app, name="env")
@@ -352,6 +352,7 @@ def _register_groups() -> None:
     sft.register(app)
     drift.register(app)
     dashboard.register(app)
+    evals.register(app)
     for typer_app in [app] + [group.typer_instance for group in app.registered_groups]:
         for command in typer_app.registered_commands:
             if command.help is None and command.callback is not None:
