@@ -119,3 +119,33 @@ def test_token_spans_split_where_training_starts_and_stops():
     assert spans == [{"trained": True, "tokens": 2, "text": "ab"}, {"trained": False, "tokens": 4, "text": "TOOL"},
                      {"trained": True, "tokens": 1, "text": "c"}]
     assert token_spans(ids[:2], [1, 1]) == [{"trained": True, "tokens": 2, "text": None}]
+
+
+def test_the_command_refuses_a_missing_root_and_a_busy_port(tmp_path):
+    from typer.testing import CliRunner
+
+    from grooves.cli import app
+
+    runner = CliRunner()
+    missing = runner.invoke(app, ["dashboard", "--runs", str(tmp_path / "nowhere")])
+    assert missing.exit_code == 2 and "runs root" in missing.output and "does not exist" in missing.output
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        result = runner.invoke(app, ["dashboard", "--runs", str(tmp_path), "--port", str(port)])
+    assert result.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in result.output
+
+
+def test_eval_results_are_listed(tmp_path, root):
+    folder = tmp_path / "evals" / "e1"
+    folder.mkdir(parents=True)
+    (folder / "eval.json").write_text(json.dumps({"name": "e1", "candidates": [
+        {"name": "base", "model": "base", "kind": "local", "tasks": 4, "reward": 0.5, "reward_se": 0.1,
+         "tokens_per_1k": 1000.0}]}))
+    (tmp_path / "evals" / "broken").mkdir()
+    (tmp_path / "evals" / "broken" / "eval.json").write_text("{")
+    client = TestClient(create_app(root, evals=tmp_path / "evals"), base_url="http://127.0.0.1")
+    (listed,) = client.get("/api/evals").json()["evals"]
+    assert listed["name"] == "e1" and listed["chart"] is False and listed["candidates"][0]["reward"] == 0.5
+    assert client.get("/api/evals/e1/chart").status_code == 404

@@ -60,6 +60,17 @@ def root(tmp_path_factory):
     store.record_groups(4, [group])
     store.record_alert(3, "collapse", "warn", "6 of 8 outputs are the same", {"text": "aaaa", "action": "warn"})
     store.close()
+
+    from typer.testing import CliRunner
+
+    from grooves.cli import app
+
+    config = folder / "eval.toml"
+    config.write_text(f'name = "tiny"\nrun = "{RUN}"\nlatency_tasks = 1\n[[candidates]]\nname = "base"\n'
+                      f'model = "base"\n[[candidates]]\nname = "trained"\nmodel = "{RUN}@4"\nprice_in = 0.1\n'
+                      f'price_out = 0.4\n')
+    result = CliRunner().invoke(app, ["eval", str(config), "--runs", str(runs), "--out", str(folder / "evals" / "tiny")])
+    assert result.exit_code == 0, result.output
     return runs
 
 
@@ -72,7 +83,7 @@ def server(root):
     from grooves.dashboard import create_app
     from grooves.serve.app import ServerThread
 
-    with ServerThread(create_app(root)) as thread:
+    with ServerThread(create_app(root, evals=root.parent / "evals")) as thread:
         yield thread.base_url.removesuffix("/v1")
 
 
@@ -198,3 +209,16 @@ def test_live_updates_while_a_run_trains(page, server, root):
                            ".getAttribute('points').split(' ').length === 2", timeout=15_000)
     (root / "live-run" / ".lock.owner").unlink()
     page.locator("[data-testid=status]", has_text="stopped").wait_for(timeout=15_000)
+
+
+def test_eval_results_are_shown(page, server, root, tmp_path):
+    page.goto(server + "/")
+    page.locator("#evals-link").click()
+    table = page.locator("table[data-eval=tiny]")
+    table.wait_for()
+    cells = [row.split("\t") for row in table.locator("tbody tr").all_inner_texts()]
+    assert [row[0] for row in cells] == ["base", "trained"]
+    report = json.loads((root.parent / "evals" / "tiny" / "eval.json").read_text())
+    assert cells[1][2] == f"{report['candidates'][1]['reward']:.3f} ± {report['candidates'][1]['reward_se']:.3f}"
+    page.wait_for_function("document.querySelector('img.eval-chart').naturalWidth > 0")  # the PNG loaded
+    screenshot(page, "evals", tmp_path)

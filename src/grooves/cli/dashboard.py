@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -18,6 +19,8 @@ def dashboard(
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 8765,
     host: Annotated[str, typer.Option(help="Interface to listen on; anything but loopback shows your runs to "
                                       "the network.")] = "127.0.0.1",
+    evals: Annotated[Path, typer.Option(help="Where grooves eval wrote its results (shown on the evals "
+                                        "page).")] = Path("evals"),
 ) -> None:
     """Runs, curves, alerts, review labels, transcripts and checkpoint comparison in the browser
     (http://127.0.0.1:8765 by default). Ctrl-C stops it."""
@@ -38,4 +41,4 @@ def dashboard(
     shown = f"[{host}]" if ":" in host else host
     out.print(f"grooves dashboard on http://{shown}:{port} over {root.resolve()} (Ctrl-C stops it)",
               highlight=False, soft_wrap=True)
-    serve(root, host=host, port=port)
+    serve(root, host=host, port=port, evals=evals)

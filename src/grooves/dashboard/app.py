@@ -2,7 +2,8 @@
 
 Routes: ``GET /`` (the page), ``GET /static/...``, ``GET /api/runs``, ``GET /api/runs/{run}``,
 ``GET /api/runs/{run}/review``, ``POST /api/runs/{run}/labels``,
-``GET /api/runs/{run}/samples/{id}``, ``POST /api/runs/{run}/compare``.
+``GET /api/runs/{run}/samples/{id}``, ``POST /api/runs/{run}/compare``, ``GET /api/evals``,
+``GET /api/evals/{name}/chart``.
 
 It binds to 127.0.0.1 by default, and then answers only requests whose ``Host`` is a loopback
 name, so a web page elsewhere cannot read runs through DNS rebinding; labels are accepted only
@@ -19,7 +20,7 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -46,8 +47,10 @@ class CompareRequest(BaseModel):
     b: str = Field(description="'base', a step of this run, or RUN@STEP.")
 
 
-def create_app(root: Path, *, check_host: bool = True) -> FastAPI:
+def create_app(root: Path, *, evals: Path | None = None, check_host: bool = True) -> FastAPI:
+    """The app over the runs ``root``; ``evals`` is where ``grooves eval`` wrote its folders."""
     root = Path(root)
+    evals = Path(evals) if evals is not None else Path("evals")
     app = FastAPI(title="grooves dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     static = resources.files("grooves.dashboard").joinpath("static")
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
@@ -111,6 +114,14 @@ def create_app(root: Path, *, check_host: bool = True) -> FastAPI:
     def sample(run: str, ident: int) -> dict:
         return reading.transcript(root, run, ident, _tokenizer(reading.run_base_spec(root, run)))
 
+    @app.get("/api/evals")
+    def evaluations() -> dict:
+        return {"root": str(evals), "evals": reading.list_evals(evals)}
+
+    @app.get("/api/evals/{name}/chart")
+    def eval_chart(name: str):
+        return FileResponse(reading.eval_chart(evals, name), media_type="image/png")
+
     @app.post("/api/runs/{run}/compare")
     def compare(run: str, body: CompareRequest) -> dict:
         from grooves.policy.checkpoints import CheckpointError
@@ -151,8 +162,9 @@ def _tokenizer(spec: str | None):
         return None
 
 
-def serve(root: Path, host: str = "127.0.0.1", port: int = 8765) -> None:
+def serve(root: Path, host: str = "127.0.0.1", port: int = 8765, evals: Path | None = None) -> None:
     """Serve until Ctrl-C."""
     import uvicorn
 
-    uvicorn.run(create_app(root, check_host=host in LOOPBACK), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(root, evals=evals, check_host=host in LOOPBACK), host=host, port=port,
+                log_level="warning")

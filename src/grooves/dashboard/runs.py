@@ -269,3 +269,33 @@ def run_base_spec(root: Path, name: str) -> str | None:
         return None
     spec = config.get("model", {}).get("spec")
     return spec if isinstance(spec, str) else None
+
+
+# --- grooves eval results --------------------------------------------------------------------
+
+
+def list_evals(folder: Path) -> list[dict[str, Any]]:
+    """Every ``<folder>/<name>/eval.json`` written by ``grooves eval``, newest first."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.glob("*/eval.json"):
+        try:
+            data = json.loads(path.read_text())
+            candidates = [{key: c.get(key) for key in ("name", "model", "kind", "tasks", "reward", "reward_se",
+                                                       "success", "latency_p50", "latency_p95", "tokens_per_s",
+                                                       "tokens_per_1k", "cost_per_1k")} for c in data["candidates"]]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # a file being written, or not grooves eval's
+        found.append({"name": path.parent.name, "written": path.stat().st_mtime, "candidates": candidates,
+                      "chart": (path.parent / "eval.png").is_file()})
+    return sorted(found, key=lambda e: -e["written"])
+
+
+def eval_chart(folder: Path, name: str) -> Path:
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        raise RunNotFound(f"{name!r} is not an evaluation name")
+    path = folder / name / "eval.png"
+    if not path.is_file():
+        raise RunNotFound(f"no chart for evaluation {name!r} under {folder}")
+    return path

@@ -306,6 +306,30 @@ function renderComparison(target, data) {
       el("th", {}, a.name), el("th", {}, b.name))), el("tbody", {}, rows)));
 }
 
+// --- grooves eval results -------------------------------------------------------------------
+
+async function showEvals() {
+  crumbs(["evals"]);
+  const data = await api("/api/evals");
+  const table = (e) => el("table", {"data-eval": e.name},
+    el("thead", {}, el("tr", {}, ["candidate", "model", "reward ± s.e.", "success", "p50 s", "p95 s", "tok/s",
+      "tokens / 1k tasks", "$ / 1k tasks"].map((h) => el("th", {}, h)))),
+    el("tbody", {}, e.candidates.map((c) => el("tr", {},
+      el("td", {}, c.name), el("td", {class: "muted"}, c.model),
+      el("td", {class: "num"}, c.reward === null ? "failed" : `${fmt(c.reward)} ± ${fmt(c.reward_se)}`),
+      el("td", {class: "num"}, c.success === null ? "–" : `${Math.round(c.success * 100)}%`),
+      el("td", {class: "num"}, fmt(c.latency_p50, 2)), el("td", {class: "num"}, fmt(c.latency_p95, 2)),
+      el("td", {class: "num"}, fmt(c.tokens_per_s, 1)), el("td", {class: "num"}, Math.round(c.tokens_per_1k)),
+      el("td", {class: "num"}, fmt(c.cost_per_1k, 4))))));
+  main.replaceChildren(el("h1", {}, "Evaluations"), el("p", {class: "muted"}, `grooves eval results in ${data.root}`),
+    ...(data.evals.length ? data.evals.map((e) => el("section", {},
+      el("h2", {}, `${e.name} · ${when(e.written)}`), table(e),
+      e.chart ? el("img", {src: `/api/evals/${enc(e.name)}/chart`, alt: `${e.name}: quality vs cost and latency`,
+        class: "eval-chart"}) : null))
+      : [el("p", {}, "No results yet: grooves eval CONFIG writes evals/<name>/eval.json.")]));
+  return false;
+}
+
 // --- routing --------------------------------------------------------------------------------------
 
 async function route() {
@@ -320,6 +344,7 @@ async function route() {
     else if (parts[0] === "run" && parts[2] === "sample") refresh = await showSample(parts[1], parts[3]);
     else if (parts[0] === "run" && parts[2] === "compare") refresh = await showCompare(parts[1]);
     else if (parts[0] === "run") refresh = await showRun(parts[1]);
+    else if (parts[0] === "evals") refresh = await showEvals();
     else refresh = (await showRuns()) ? showRuns : false;
     if (refresh) {
       live(true);
