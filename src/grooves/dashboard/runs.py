@@ -8,6 +8,7 @@ only write is a review label, through ``training.review.store_labels`` (the same
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -110,7 +111,7 @@ def _alerts(folder: Path) -> list[dict[str, Any]]:
     if not db.is_file():
         return []
     try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as connection:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:
             rows = connection.execute("SELECT step, detector, severity, message, evidence, created FROM alerts "
                                       "ORDER BY id").fetchall()
     except sqlite3.OperationalError:  # no alerts table yet
@@ -162,7 +163,7 @@ def _sample_steps(folder: Path) -> dict[str, list[int]]:
     if not db.is_file():
         return {}
     try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as connection:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:
             rows = connection.execute("SELECT DISTINCT split, step FROM trajectories ORDER BY step").fetchall()
     except sqlite3.OperationalError:
         return {}

@@ -19,6 +19,7 @@ The held-out prompts are the run's recorded held-out (``val``) prompts, or a JSO
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -194,8 +195,6 @@ def kl_to_base(policy, adapter_name: str, prompts: list[list[dict]], max_new_tok
 def reference_nll(policy, adapter_name: str | None, tasks: list[dict]) -> float:
     """Mean NLL per token of each task's ``reference`` (plus the end of turn) after its prompt,
     under the adapter ``adapter_name`` (None: the base)."""
-    import contextlib
-
     if adapter_name is not None:
         policy.model.set_adapter(adapter_name)
     context = policy.model.disable_adapter() if adapter_name is None else contextlib.nullcontext()
@@ -255,7 +254,7 @@ def heldout_prompts(run_dir: Path, limit: int) -> list[list[dict]]:
     db = run_dir / "run.sqlite"
     if not db.is_file():
         return []
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as connection:
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:
         rows = connection.execute("SELECT data FROM trajectories WHERE split = 'val' ORDER BY id").fetchall()
     prompts, seen = [], set()
     for (data,) in rows:
