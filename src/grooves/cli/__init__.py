@@ -341,7 +341,7 @@ def demo(
 
 
 def _register_groups() -> None:
-    from grooves.cli import backend, base, envs, review, rewards, rm, sft
+    from grooves.cli import backend, base, dashboard, drift, envs, evals, review, rewards, rm, sft
 
     app.add_typer(backend.app, name="backend")
     app.add_typer(base.app, name="base")
@@ -351,6 +351,9 @@ def _register_groups() -> None:
     app.add_typer(rewards.judge_app, name="judge")
     review.register(app)
     sft.register(app)
+    drift.register(app)
+    dashboard.register(app)
+    evals.register(app)
     for typer_app in [app] + [group.typer_instance for group in app.registered_groups]:
         for command in typer_app.registered_commands:
             if command.help is None and command.callback is not None:

@@ -1,0 +1,274 @@
+"""``grooves eval CONFIG``: candidates side by side on the same held-out tasks, for the decision
+whether to fine-tune: quality, latency and cost of each.
+
+A candidate is the base model, a checkpoint ``RUN@STEP``, a merged model folder (any model
+spec), or a model behind an OpenAI-compatible endpoint with its price per million tokens.
+The tasks, the reward and the sampling settings are a run's (``run = "NAME"``, read from its
+``config.toml``) or a run config's (``config = "path.toml"``): the held-out tasks (the first
+``limit``, default the config's ``log.val_size``), scored by its reward, sampled with its
+held-out settings. So a local candidate's quality is computed exactly as the training loop
+validates, and a checkpoint's mean is the ``val/reward/total`` its run logged at that step.
+
+Latency is per task, one request at a time: local candidates answer the first
+``latency_tasks`` tasks alone (after the quality pass, which batches them as validation
+does); endpoint candidates are timed on every task. ``tokens/s`` is completion tokens over
+latency. Tokens per 1,000 tasks are the mean prompt plus completion tokens, times 1,000;
+the cost per 1,000 tasks applies the candidate's prices to them (none given: no cost).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from grooves.types import Group, Trajectory
+
+BASE = "base"
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot run (no held-out tasks, an env behind an endpoint)."""
+
+
+class Candidate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Shown in the table and the chart.")
+    model: str = Field(description="'base' (the run's base model), a model spec or merged folder, a checkpoint "
+                       "RUN@STEP, or with endpoint the model name the endpoint serves.")
+    endpoint: str | None = Field(None, description="An OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1); "
+                                 "without it the model runs in this process.")
+    api_key_env: str | None = Field(None, description="Environment variable holding the endpoint's API key.")
+    price_in: float | None = Field(None, ge=0, description="Dollars per million prompt tokens.")
+    price_out: float | None = Field(None, ge=0, description="Dollars per million completion tokens.")
+
+
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("eval", description="Name of the evaluation (the output folder evals/<name>).")
+    run: str | None = Field(None, description="Take tasks, reward and sampling from this run under the runs root.")
+    config: str | None = Field(None, description="Or from this run config (TOML).")
+    limit: int | None = Field(None, ge=1, description="Most held-out tasks per task set (default: log.val_size).")
+    latency_tasks: int = Field(8, ge=1, description="Tasks each local candidate answers alone, timed.")
+    candidates: list[Candidate] = Field(min_length=1, description="What to compare ([[candidates]] tables).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalConfig:
+        if (self.run is None) == (self.config is None):
+            raise ValueError("give exactly one of run = \"NAME\" or config = \"path.toml\"")
+        names = [c.name for c in self.candidates]
+        if len(set(names)) != len(names):
+            raise ValueError(f"candidate names must be unique: {names}")
+        return self
+
+
+@dataclass
+class Result:
+    """One candidate's numbers."""
+
+    name: str
+    model: str
+    kind: str  # "local" or "endpoint"
+    tasks: int
+    reward: float | None
+    reward_se: float | None
+    components: dict[str, tuple[float | None, float | None]]  # name -> (mean, standard error)
+    success: float | None  # env tasks: share of rollouts with every env score in full
+    failed: int  # tasks whose total failed (NaN)
+    latency_p50: float | None
+    latency_p95: float | None
+    tokens_per_s: float | None
+    prompt_tokens: float
+    completion_tokens: float
+    cost_per_1k: float | None
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def tokens_per_1k(self) -> float:
+        return 1000 * (self.prompt_tokens + self.completion_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tokens_per_1k": self.tokens_per_1k}
+
+
+def run_config_of(cfg: EvalConfig, base_dir: Path, runs: str | Path | None):
+    """The run config the tasks, reward and sampling come from."""
+    from grooves.policy.checkpoints import runs_root
+    from grooves.training.config import load_config
+
+    if cfg.run is not None:
+        path = runs_root(runs) / cfg.run / "config.toml"
+        if not path.is_file():
+            raise EvalError(f"run {cfg.run!r} has no config.toml under {runs_root(runs)} (set --runs)")
+        return load_config(path)
+    path = Path(cfg.config)
+    return load_config(path if path.is_absolute() else base_dir / path)
+
+
+def evaluate_candidates(cfg: EvalConfig, base_dir: Path = Path("."), runs: str | Path | None = None,
+                        progress=None) -> list[Result]:
+    """Every candidate on the same held-out tasks; ``progress(text)`` hears what runs now."""
+    from grooves.training.api import task_sets
+
+    run_config = run_config_of(cfg, base_dir, runs)
+    limit = cfg.limit or run_config.log.val_size
+    heldout = [(s, s.heldout[:limit]) for s in task_sets(run_config) if s.heldout]
+    if not heldout:
+        raise EvalError("the config has no held-out tasks (set tasks.heldout or tasks.heldout_fraction)")
+    results = []
+    for candidate in cfg.candidates:
+        if progress:
+            progress(f"{candidate.name}: {sum(len(t) for _, t in heldout)} tasks")
+        if candidate.endpoint:
+            results.append(_endpoint(candidate, run_config, heldout))
+        else:
+            results.append(_local(candidate, run_config, heldout, cfg.latency_tasks, runs))
+    return results
+
+
+def _sampling(run_config):
+    from grooves.policy import Sampling
+
+    s = run_config.sampling
+    return Sampling(temperature=s.val_temperature, top_p=s.top_p, max_new_tokens=s.max_completion_length,
+                    stop=tuple(s.stop), seed=run_config.seed)
+
+
+def _local(candidate: Candidate, run_config, heldout, latency_tasks: int, runs) -> Result:
+    from grooves.policy import Policy
+    from grooves.training.rollout import evaluate, rollout_groups
+
+    spec = run_config.model.spec if candidate.model == BASE else candidate.model
+    # seed: the random-weight "tiny" base is built from it; real models ignore it.
+    policy = Policy.load(spec, dtype=run_config.model.dtype, seed=run_config.seed, runs=runs)
+    sampling = _sampling(run_config)
+    groups = []
+    for task_set, tasks in heldout:
+        groups += evaluate(policy, tasks, [task_set.render(t) for t in tasks], task_set.reward, sampling, 0,
+                           task_set.env).groups
+    latencies, speeds = [], []
+    timed = [(ts, t) for ts, tasks in heldout for t in tasks][:latency_tasks]
+    for task_set, task in timed:
+        start = time.perf_counter()
+        (group,) = rollout_groups(policy, [task], [task_set.render(task)], 1, sampling, None, 0, task_set.env)
+        seconds = time.perf_counter() - start
+        latencies.append(seconds)
+        speeds.append(sum(group.trajectories[0].completion_mask) / seconds)
+    tokens = [(len(t.prompt_ids), sum(t.completion_mask)) for g in groups for t in g.trajectories]
+    return _result(candidate, "local", groups, latencies, speeds, tokens, any(ts.env for ts, _ in heldout))
+
+
+def _endpoint(candidate: Candidate, run_config, heldout) -> Result:
+    from openai import OpenAI, OpenAIError
+
+    if any(task_set.env is not None for task_set, _ in heldout):
+        raise EvalError(f"candidate {candidate.name}: env tasks need the model in this process; an endpoint "
+                        "cannot run their tools here")
+    key = os.environ.get(candidate.api_key_env, "") if candidate.api_key_env else ""
+    client = OpenAI(base_url=candidate.endpoint, api_key=key or "none", max_retries=1, timeout=600)
+    sampling = _sampling(run_config)
+    groups, latencies, speeds, tokens = [], [], [], []
+    for task_set, tasks in heldout:
+        scored = []
+        for task in tasks:
+            messages = task_set.render(task)
+            start = time.perf_counter()
+            try:
+                reply = client.chat.completions.create(
+                    model=candidate.model, messages=messages, temperature=sampling.temperature,
+                    top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
+                    seed=sampling.seed)
+            except OpenAIError as error:
+                raise EvalError(f"candidate {candidate.name} at {candidate.endpoint}: {error}") from None
+            seconds = time.perf_counter() - start
+            choice, usage = reply.choices[0], reply.usage
+            used = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
+            latencies.append(seconds)
+            speeds.append(used[1] / seconds)
+            tokens.append(used)
+            text = choice.message.content or ""
+            trajectory = Trajectory([*messages, {"role": "assistant", "content": text}], [], [], [], [],
+                                    finish_reason="length" if choice.finish_reason == "length" else "stop")
+            scored.append(Group(task=task, trajectories=[trajectory]))
+        task_set.reward.score(scored)
+        groups += scored
+    return _result(candidate, "endpoint", groups, latencies, speeds, tokens, False)
+
+
+def _result(candidate: Candidate, kind: str, groups: list[Group], latencies: list[float], speeds: list[float],
+            tokens: list[tuple[int, int]], env: bool) -> Result:
+    trajectories = [t for g in groups for t in g.trajectories]
+    totals = [t.reward for t in trajectories]
+    names = sorted({name for t in trajectories for name in t.components})
+    prompt = statistics.fmean(p for p, _ in tokens) if tokens else 0.0
+    completion = statistics.fmean(c for _, c in tokens) if tokens else 0.0
+    cost = None
+    if candidate.price_in is not None or candidate.price_out is not None:
+        cost = 1000 * ((candidate.price_in or 0) * prompt + (candidate.price_out or 0) * completion) / 1e6
+    success = None
+    if env:
+        full = [all(v >= 1 - 1e-9 for v in t.metadata.get("env_scores", {}).values()) for t in trajectories]
+        success = sum(full) / len(full) if full else None
+    return Result(candidate.name, candidate.model if not candidate.endpoint else f"{candidate.model} @ "
+                  f"{candidate.endpoint}", kind, len(trajectories), *mean_se(totals),
+                  {name: mean_se([t.components.get(name, math.nan) for t in trajectories]) for name in names},
+                  success, sum(math.isnan(v) for v in totals), percentile(latencies, 50), percentile(latencies, 95),
+                  statistics.fmean(speeds) if speeds else None, prompt, completion, cost,
+                  [{"task_id": str(g.task.get("id")), "completion": t.completion,
+                    "reward": None if math.isnan(t.reward) else t.reward} for g in groups for t in g.trajectories])
+
+
+def mean_se(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and standard error (sample standard deviation / √n) of the values that did not fail."""
+    scored = [v for v in values if not math.isnan(v)]
+    if not scored:
+        return None, None
+    return statistics.fmean(scored), statistics.stdev(scored) / math.sqrt(len(scored)) if len(scored) > 1 else 0.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile, linear between the closest ranks (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def write_chart(results: list[Result], path: Path) -> bool:
+    """Quality vs cost per 1,000 tasks and quality vs p95 latency as a PNG; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError:
+        return False
+    figure, (by_cost, by_latency) = plt.subplots(1, 2, figsize=(10, 4))
+    for axis, attribute, label in ((by_cost, "cost_per_1k", "cost per 1,000 tasks ($)"),
+                                   (by_latency, "latency_p95", "p95 latency (s)")):
+        for index, r in enumerate(results):  # one colour per candidate in both charts
+            x = getattr(r, attribute)
+            if x is None or r.reward is None:  # no price, or every total failed: nothing to place
+                continue
+            axis.errorbar([x], [r.reward], yerr=[r.reward_se or 0], fmt="o", capsize=3, color=f"C{index}")
+            axis.annotate(r.name, (x, r.reward), textcoords="offset points", xytext=(5, 5))
+        axis.set_xlabel(label)
+        axis.set_ylabel("reward (mean ± s.e.)")
+        axis.grid(alpha=0.3)
+    by_cost.set_title("quality vs cost")
+    by_latency.set_title("quality vs p95 latency")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
