@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -92,6 +93,7 @@ def decode(policy, rows: list[Row], on_token: TokenCallback | None = None) -> li
 def _decode(policy, rows: list[Row], on_token: TokenCallback | None) -> list[RowOutput]:
     model = _Model(policy, rows)
     cache, logits, attention, next_position = _prefill(model, policy.device, rows)
+    _make_room(cache, max(r.max_new_tokens for r in rows))
     active = list(range(len(rows)))  # original index of each row still in the batch
     outputs = [RowOutput("", [], [], "length") for _ in rows]
     stop_ids = policy.stop_token_ids
@@ -243,10 +245,72 @@ class _Model:
 
 
 def _row_past(cache, position: int, attention: torch.Tensor) -> Past:
-    """Row ``position``'s KV without its padding columns (a copy: the batch cache moves on)."""
+    """Row ``position``'s KV without its padding columns (indexing copies: the batch cache moves on)."""
     columns = attention.nonzero().squeeze(1)
-    return Past([(layer.keys[position][:, columns].clone(), layer.values[position][:, columns].clone())
-                 for layer in cache.layers])
+    return Past([(layer.keys[position][:, columns], layer.values[position][:, columns]) for layer in cache.layers])
+
+
+def _make_room(cache, tokens: int) -> None:
+    """Give every layer of a prefilled cache room for ``tokens`` more positions (``_roomy_layer``)."""
+    from transformers.cache_utils import DynamicLayer
+
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and layer.is_initialized:
+            cache.layers[index] = _roomy_layer()(layer.keys, layer.values, tokens)
+
+
+@functools.cache
+def _roomy_layer() -> type:
+    """The class below, built on first use (transformers loads only when a model decodes)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class RoomyLayer(DynamicLayer):
+        """A KV cache layer with room reserved after its positions: a decode step writes its
+        token's keys and values in place. The plain layer concatenates, which copies the whole
+        cache of the batch at every step (most of a long multi-turn decode's time on a CPU).
+        ``keys`` and ``values`` are views of the used part."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+            super().__init__()
+            self.device, self.is_initialized, self.length = keys.device, True, keys.shape[-2]
+            self._keys = keys.new_empty(*keys.shape[:-2], self.length + room, keys.shape[-1])
+            self._values = values.new_empty(*values.shape[:-2], self.length + room, values.shape[-1])
+            self._keys[..., : self.length, :], self._values[..., : self.length, :] = keys, values
+            self._views()
+
+        def _views(self) -> None:
+            self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            new = key_states.shape[-2]
+            if self.length + new > self._keys.shape[-2]:  # out of room: grow (copies once, not per step)
+                extra = max(new, self._keys.shape[-2])
+                self._keys = torch.cat([self._keys, self._keys.new_empty(*self._keys.shape[:-2], extra,
+                                                                         self._keys.shape[-1])], dim=-2)
+                self._values = torch.cat([self._values, self._values.new_empty(*self._values.shape[:-2], extra,
+                                                                               self._values.shape[-1])], dim=-2)
+            self._keys[..., self.length: self.length + new, :] = key_states
+            self._values[..., self.length: self.length + new, :] = value_states
+            self.length += new
+            self._views()
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            self._keys, self._values = self._keys[indices, ...], self._values[indices, ...]
+            self._views()
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            self._keys = self._keys.repeat_interleave(repeats, dim=0)
+            self._values = self._values.repeat_interleave(repeats, dim=0)
+            self._views()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("a decode cache is never cropped")
+
+        def reset(self) -> None:
+            raise NotImplementedError("a decode cache is never reset")
+
+    return RoomyLayer
 
 
 SHARED_PREFIX_MIN = 64  # tokens; a shorter common beginning is not worth a separate forward
