@@ -149,3 +149,12 @@ def test_eval_results_are_listed(tmp_path, root):
     (listed,) = client.get("/api/evals").json()["evals"]
     assert listed["name"] == "e1" and listed["chart"] is False and listed["candidates"][0]["reward"] == 0.5
     assert client.get("/api/evals/e1/chart").status_code == 404
+
+
+def test_the_dashboard_room_loads_no_room_above_it():
+    import subprocess
+    import sys
+
+    code = ("import sys, grooves.dashboard; "
+            "print(' '.join(m for m in sys.modules if m.startswith(('grooves.cli', 'grooves.serve', 'grooves.backend'))))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == ""
