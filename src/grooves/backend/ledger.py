@@ -17,9 +17,10 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+from grooves.backend.tenants import read_toml
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -52,12 +53,7 @@ def load_prices(path: str | Path | None) -> Prices:
     if path is None:
         return Prices()
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read the prices file {path}: {exc.strerror}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path} is not valid TOML: {exc}") from exc
+    data = read_toml(path, "the prices file")
     unknown = set(data) - {"prompt", "sample", "train"}
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: prompt, sample, train (USD per "

@@ -30,15 +30,20 @@ class Tenant:
     budget_usd: float | None = None
 
 
+def read_toml(path: Path, what: str, error: type[ValueError] = ValueError) -> dict:
+    """A TOML file's table; ``error`` says why it could not be read (``what``: "the keys file")."""
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{path} is not valid TOML: {exc}") from exc
+
+
 def load_tenants(path: str | Path) -> dict[str, Tenant]:
     """``{api key: Tenant}`` from a keys file."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise KeysError(f"cannot read the keys file {path}: {exc.strerror}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise KeysError(f"{path} is not valid TOML: {exc}") from exc
+    data = read_toml(path, "the keys file", KeysError)
     unknown = set(data) - {"tenants"}
     if unknown:
         raise KeysError(f"{path}: unknown top-level key(s) {sorted(unknown)}; expected [tenants.NAME] tables")
