@@ -45,7 +45,7 @@ def service(tmp_path_factory):
 def alice(service):
     client = tinker.ServiceClient(base_url=service[1], api_key=ALICE)
     yield client
-    client.close("success").result()
+    client.close("success").result(timeout=60)  # a close that never answers fails, not hangs
 
 
 def text_datum(tokenizer, text: str) -> types.Datum:
@@ -206,7 +206,7 @@ def test_another_tenants_model_checkpoints_and_futures_are_not_found(service, al
             bob.create_sampling_client(model_path=sampler_path).result().sample(
                 types.ModelInput.from_ints([70]), 1, types.SamplingParams(max_tokens=2)).result()
     finally:
-        bob.close("success").result()
+        bob.close("success").result(timeout=60)  # a close that never answers fails, not hangs
 
 
 def test_unsupported_requests_get_a_clear_400(service):

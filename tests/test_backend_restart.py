@@ -102,11 +102,11 @@ def test_kill_9_then_restart_and_load_state_continues_to_the_same_adapter(tmp_pa
         resumed = client.create_training_client_from_state_with_optimizer(state).result()
         steps(resumed, 2)
         resumed_path = resumed.save_weights_for_sampler("resumed").result().path
-        client.close("success").result()
+        client.close("success").result(timeout=60)  # a close that never answers fails, not hangs
         # the client from before the kill: its model comes back from "mid" (the step after it is lost)
         steps(interrupted, 2)
         continued_path = interrupted.save_weights_for_sampler("continued").result().path
-        first_client.close("success").result()  # its heartbeats would outlive the test
+        first_client.close("success").result(timeout=60)  # a close that never answers fails, not hangs  # its heartbeats would outlive the test
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

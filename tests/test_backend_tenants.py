@@ -211,6 +211,6 @@ def test_a_full_queue_answers_429_and_the_sdk_backs_off_until_there_is_room(serv
         training = client.create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
         assert training.forward_backward([DATUM], "cross_entropy").result().metrics["loss:sum"] > 0
         assert time.monotonic() - start >= 1.0  # it waited for room, then went through
-        client.close("success").result()
+        client.close("success").result(timeout=60)  # a close that never answers fails, not hangs
     finally:
         release.set()
