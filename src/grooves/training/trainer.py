@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from grooves.algorithms import AGGREGATIONS, ESTIMATORS, LOSSES, Algorithm, k3_kl, overlong_penalty
 from grooves.algorithms.losses import TINKER_LOSSES
@@ -120,10 +121,12 @@ class Trainer:
     # --- primitives ----------------------------------------------------------------
 
     def forward_backward(self, datums: list[Datum], loss_fn: str, config: LossConfig | None = None,
-                         *, backward: bool = True) -> ForwardBackwardOutput:
+                         *, backward: bool = True, loss_positions_only: bool = False) -> ForwardBackwardOutput:
         """Sum of ``weights * loss`` over every token of every datum; its gradient is *added* to the
         adapter's (call ``optim_step`` to apply it). ``loss_fn``: Tinker's ``cross_entropy``,
-        ``importance_sampling``, ``ppo``, ``cispo`` or grooves' ``ppo_clip``, ``gspo``."""
+        ``importance_sampling``, ``ppo``, ``cispo`` or grooves' ``ppo_clip``, ``gspo``.
+        ``loss_positions_only``: log-probs only where a weight is non-zero (0 elsewhere in the
+        output), which skips the output head on an agent's tool results and env text."""
         loss, eps_low, eps_high = _loss_fn(loss_fn, config := config or LossConfig())
         batch = DatumBatch.build(datums, self.policy.device)
         out = ForwardBackwardOutput(0.0, [torch.zeros(0)] * len(datums))
@@ -131,8 +134,9 @@ class Trainer:
         try:
             for rows in batch.tokens.chunks(self.optim.micro_batch_size):
                 micro = batch.select(rows)
+                tokens = replace(micro.tokens, mask=(micro.weights != 0).float()) if loss_positions_only else micro.tokens
                 with torch.set_grad_enabled(backward):
-                    logp, entropy = self._logprobs(micro.tokens, with_entropy=config.entropy, shifted=batch.shifted)
+                    logp, entropy = self._logprobs(tokens, with_entropy=config.entropy, shifted=batch.shifted)
                     mask = (micro.weights != 0).float()  # (b, T) tokens in the loss
                     old = logp.detach() if micro.old_logprobs is None else micro.old_logprobs
                     terms = loss(logp, old, micro.advantages, mask, eps_low, eps_high)
@@ -233,6 +237,11 @@ class Trainer:
         track_kl = alg.beta > 0 or (self.kl_every > 0 and self.step % self.kl_every == 0)
         ref_logp = self._reference_logprobs(batch) if track_kl else None
         datums = trajectory_datums(trajectories, batch, weights, advantages, old_logp, ref_logp)
+        if alg.beta == 0 and not track_kl:
+            # A row with advantage 0 adds exactly 0 to the gradient (no KL term): skip its forward
+            # and backward. The weights above were normalised over the whole batch, so the update
+            # is the same; ``entropy`` and ``clipfrac`` are then means over the rows with a signal.
+            datums = [d for d, a in zip(datums, advantages.tolist(), strict=True) if a != 0]
         adam = AdamParams(lr, *self.optim.betas, weight_decay=self.optim.weight_decay,
                           grad_clip_norm=self.optim.max_grad_norm)
         stats = _Stats()
@@ -244,7 +253,7 @@ class Trainer:
             config = LossConfig(alg.eps_low, alg.eps_high, kl_coef=alg.beta, entropy=first)
             # the KL is logged from the first pass; later passes need it only as a penalty
             later = datums if alg.beta > 0 else _without_ref(datums)
-            out = self.forward_backward(datums if first else later, alg.loss, config)
+            out = self.forward_backward(datums if first else later, alg.loss, config, loss_positions_only=True)
             grad_norm = self.optim_step(adam) if out.finite else None
             if grad_norm is None:
                 self._restore(snapshot)
@@ -295,7 +304,10 @@ class Trainer:
         checkpointing = getattr(lm, "is_activation_checkpointing", False)
         shared = self.share_prompt and shifted and not checkpointing
         forward = shared_prefix_logprobs if shared else completion_logprobs
-        return forward(lm, micro, self.temperature, with_entropy)
+        width = micro.targets.shape[1]
+        logp, entropy = forward(lm, micro.trimmed(), self.temperature, with_entropy)
+        pad = lambda t: None if t is None else F.pad(t, (0, width - t.shape[1]))  # noqa: E731
+        return pad(logp), pad(entropy)
 
 
 def _loss_fn(name: str, config: LossConfig):
