@@ -16,6 +16,7 @@ Without ``--base-url`` the script starts ``grooves backend serve``'s service in 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import tempfile
@@ -139,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # the SDK warns each time a long poll ends without a result; a busy CPU service makes many
+    logging.getLogger("tinker.lib.api_future_impl").setLevel(logging.ERROR)
     settings = RLSettings(**{k: getattr(args, k) for k in RLSettings.__dataclass_fields__})
     if args.base_url:
         if not args.api_key:

@@ -15,6 +15,7 @@ sum over tokens; the script divides by the token count to print a mean.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import tempfile
 import time
@@ -99,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # the SDK warns each time a long poll ends without a result; a busy CPU service makes many
+    logging.getLogger("tinker.lib.api_future_impl").setLevel(logging.ERROR)
     settings = SFTSettings(**{k: getattr(args, k) for k in SFTSettings.__dataclass_fields__})
     if args.base_url:
         if not args.api_key:
