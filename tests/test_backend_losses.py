@@ -95,3 +95,29 @@ def test_forward_backward_through_the_sdk_is_grooves_loss_on_the_same_batch(clie
     after, mine = saved_adapter(training, root, "after"), get_peft_model_state_dict(local.model)
     assert set(after) == set(mine)
     assert max((after[k] - mine[k]).abs().max().item() for k in after) < 1e-5
+
+
+def test_forward_backward_custom_runs_client_side_over_forward_and_cross_entropy(client):
+    """The SDK's custom loss: a forward for the log-probs, the loss and its gradient on this machine,
+    then a cross_entropy backward with weights = -dC/dlogp. A custom loss equal to cross_entropy
+    with weights 2 must train exactly as cross_entropy with weights 2 does."""
+    sdk, root = client
+    row = batch(3, 4, 6)
+    twice = {**row, "weights": [2.0 * w for w in row["weights"]]}
+    runs = []
+    for custom in (False, True):
+        training = sdk.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+        if custom:
+            def loss(data, logprobs_list):
+                weights = torch.tensor(row["weights"])
+                return -(logprobs_list[0] * weights).sum() * 2.0, {"twice:sum": 1.0}
+
+            out = training.forward_backward_custom([sdk_datum(row, "cross_entropy")], loss).result()
+        else:
+            out = training.forward_backward([sdk_datum(twice, "cross_entropy")], "cross_entropy").result()
+        # eps well above the gradients: the step is about lr * g / eps, so a wrong scale would show
+        training.optim_step(types.AdamParams(learning_rate=1.0, eps=10.0)).result()
+        runs.append((out, saved_adapter(training, root, f"custom-{custom}")))
+    (plain, plain_adapter), (custom_out, custom_adapter) = runs
+    assert custom_out.metrics["twice:sum"] == 1.0
+    assert max((plain_adapter[k] - custom_adapter[k]).abs().max().item() for k in plain_adapter) < 1e-6
