@@ -87,7 +87,8 @@ def rl_loop(service: tinker.ServiceClient, base_model: str, settings: RLSettings
     """Train on the demo's training tasks; return the held-out reward by step (0 = before training)."""
     train, heldout = titles.tasks("train"), titles.tasks("heldout")[: settings.heldout]
     reward = titles.reward()
-    training = service.create_lora_training_client(base_model=base_model, rank=settings.rank, seed=settings.seed).result()
+    training = service.create_lora_training_client(base_model=base_model, rank=settings.rank,
+                                                   seed=settings.seed).result()
     tokenizer = training.get_tokenizer()
     adam = types.AdamParams(learning_rate=settings.learning_rate, beta1=0.9, beta2=0.95, eps=1e-8)
     params = types.SamplingParams(max_tokens=settings.max_tokens, temperature=1.0)

@@ -61,7 +61,8 @@ def mean_loss(output: types.ForwardBackwardOutput, datums: list[types.Datum]) ->
 def sft_loop(service: tinker.ServiceClient, base_model: str, settings: SFTSettings,
              log: Callable[[str], None] = print) -> dict[int, float]:
     """Train on the demo's training tasks; return the held-out loss per token by step (0 = before)."""
-    training = service.create_lora_training_client(base_model=base_model, rank=settings.rank, seed=settings.seed).result()
+    training = service.create_lora_training_client(base_model=base_model, rank=settings.rank,
+                                                   seed=settings.seed).result()
     tokenizer = training.get_tokenizer()
     train = [conversation_datum(tokenizer, t) for t in titles.tasks("train")]
     heldout = [conversation_datum(tokenizer, t) for t in titles.tasks("heldout")[: settings.heldout]]
