@@ -132,9 +132,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="its API key (default: $TINKER_API_KEY)")
     parser.add_argument("--model", default="bundled:smollm2-135m-instruct",
                         help="base model: the spec the service trains (default: %(default)s)")
-    for name in ("steps", "prompts_per_step", "group_size", "rank", "max_tokens", "heldout", "eval_every", "seed"):
+    helps = {"steps": "training steps", "prompts_per_step": "training prompts per step",
+             "group_size": "titles sampled per prompt", "rank": "LoRA rank", "max_tokens": "new tokens per title",
+             "heldout": "held-out tasks scored greedily", "seed": "LoRA initialisation seed",
+             "eval_every": "score the held-out tasks every N steps too (0: before and after only)"}
+    for name, text in helps.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
-                            help=f"(default: %(default)s)")
+                            help=f"{text} (default: %(default)s)")
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate, help="(default: %(default)s)")
     return parser.parse_args(argv)
 

@@ -92,9 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="its API key (default: $TINKER_API_KEY)")
     parser.add_argument("--model", default="bundled:smollm2-135m-instruct",
                         help="base model: the spec the service trains (default: %(default)s)")
-    for name in ("steps", "batch_size", "rank", "heldout", "eval_every", "seed"):
+    helps = {"steps": "training steps", "batch_size": "conversations per step", "rank": "LoRA rank",
+             "heldout": "held-out conversations", "seed": "LoRA initialisation seed",
+             "eval_every": "measure the held-out loss every N steps (0: before and after only)"}
+    for name, text in helps.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
-                            help="(default: %(default)s)")
+                            help=f"{text} (default: %(default)s)")
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate, help="(default: %(default)s)")
     return parser.parse_args(argv)
 

@@ -63,7 +63,7 @@ def test_sft_loop_example_lowers_the_heldout_loss(bundled_client):
     settings = sft.SFTSettings(steps=3, eval_every=0)
     results = sft.sft_loop(bundled_client, BUNDLED, settings, log=lambda line: None)
     assert set(results) == {0, 3}
-    assert results[3] < 0.9 * results[0], results
+    assert results[3] < 0.95 * results[0], results
 
 
 def test_remote_step_makes_the_local_trainers_adapter(tiny_service):
