@@ -11,6 +11,13 @@
    each send as many at once. The service runs one operation at a time, taking tenants in
    turn, so each of three tenants should get about a third of one tenant's rate.
 
+3. With ``--quality-steps N``: the demo config (``grooves demo``'s) trained for N steps in this
+   process and through the service (``grooves train --backend``'s code), each scoring
+   ``--quality-heldout`` held-out tasks greedily before and after; prints
+   ``backend_quality local_before=.. local_after=.. remote_before=.. remote_after=..``.
+   The two runs sample different tokens (the service seeds each request), so they agree
+   within noise, not exactly.
+
 The last line is machine-readable:
 ``backend_overhead inproc_s=X remote_s=Y ratio=R tenants1_tps=A tenants3_tps=B``.
 
@@ -84,6 +91,35 @@ def tenant_rates(service: LocalService, names: list[str], args) -> list[float]:
     return [rates[n] for n in names]
 
 
+def heldout(run) -> tuple[float, float]:
+    return tuple(run.evaluations[step].metrics["val/reward/total"] for step in (0, run.step))
+
+
+def quality(args) -> dict[str, float]:
+    """Held-out reward before and after ``--quality-steps`` demo steps, locally and through the service."""
+    from grooves.demo import demo_config_path
+    from grooves.training.api import run_config
+    from grooves.training.config import load_config
+
+    config = load_config(demo_config_path())
+    config.model.spec, config.steps = args.model, args.quality_steps
+    config.log.val_every = config.log.save_every = config.steps
+    config.log.val_size = args.quality_heldout
+    out = {}
+    with tempfile.TemporaryDirectory() as root:
+        run = run_config(config, runs=f"{root}/local", progress=False)
+        out["local_before"], out["local_after"] = heldout(run)
+        with LocalService(config.model.spec, f"{root}/service") as service:
+            remote = RemotePolicy(service.base_url, config.model.spec, config.lora.rank, config.seed,
+                                  api_key=service.keys["local"])
+            try:
+                run = run_config(config, runs=f"{root}/remote", progress=False, policy=remote)
+            finally:
+                remote.close()
+        out["remote_before"], out["remote_after"] = heldout(run)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bundled:smollm2-135m-instruct")
@@ -93,6 +129,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed RL steps (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed RL steps first (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=4, help="sample requests per tenant (default: %(default)s)")
+    parser.add_argument("--quality-steps", type=int, default=0, help="also train the demo config this many "
+                        "steps locally and through the service (default: off)")
+    parser.add_argument("--quality-heldout", type=int, default=64, help="held-out tasks for --quality-steps")
     parser.add_argument("--quick", action="store_true", help="tiny model, one small step: checks the script runs")
     args = parser.parse_args()
     if args.quick:
@@ -116,6 +155,9 @@ def main() -> None:
         alone = tenant_rates(service, ["t1"], args)
         shared = tenant_rates(service, ["t1", "t2", "t3"], args)
 
+    if args.quality_steps:
+        scores = quality(args)
+        print("backend_quality " + " ".join(f"{k}={v:.4f}" for k, v in scores.items()))
     inproc_s, remote_s = statistics.median(inproc), statistics.median(through)
     print(f"RL step ({args.prompts} prompts x {args.group} completions, {args.tokens} tokens, {args.model}): "
           f"in-process {inproc_s:.2f} s, through the service {remote_s:.2f} s (median of {args.steps})")
