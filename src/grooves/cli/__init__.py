@@ -38,6 +38,9 @@ def train(
     ack: Annotated[list[str] | None, typer.Option("--ack", help="With --resume: accept the alerts of this "
                                                   "detector (e.g. collapse); they only warn from now on. "
                                                   "Repeatable.")] = None,
+    backend: Annotated[str | None, typer.Option("--backend", help="Sample and train on this Tinker-compatible "
+                                                "service (its URL; the API key from $TINKER_API_KEY), as "
+                                                "[backend] url does; rewards and monitors stay here.")] = None,
 ) -> None:
     """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder.
 
@@ -57,7 +60,9 @@ def train(
         cfg = load_config(config)
         if steps is not None:
             cfg.steps = steps
-    except ConfigError as error:
+        if backend is not None:
+            cfg.backend = {**(cfg.backend.model_dump() if cfg.backend else {}), "url": backend}
+    except (ConfigError, ValueError) as error:
         raise _fail(f"invalid config {config}:\n{error}") from None
     from grooves.training.api import run_config
 
@@ -68,18 +73,44 @@ def train(
     unknown = sorted(set(ack or ()) - {d.name for d in DETECTORS})
     if unknown:
         raise _fail(f"--ack {', '.join(unknown)}: not a detector; allowed: {', '.join(d.name for d in DETECTORS)}")
+    policy = _remote_policy(cfg, resume) if cfg.backend is not None else None
     try:
         run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet, acknowledge=tuple(ack or ()),
-                         resume_command=_resume_command("train", config, out_dir=out_dir, runs=runs), console=out)
+                         resume_command=_resume_command("train", config, out_dir=out_dir, runs=runs), console=out,
+                         policy=policy)
     except _user_errors() as error:
         raise _fail(str(error)) from None
     except KeyboardInterrupt:  # before the loop took over Ctrl-C, or a second Ctrl-C: nothing more saved
         err.print("aborted; the newest checkpoint is intact")
         raise typer.Exit(130) from None
+    finally:
+        if policy is not None:
+            policy.close()
     last = next((row for row in reversed(run.metrics) if row.get("reward/total") is not None), {})
     out.print(f"[bold]{run.name}[/]: step {run.step}, reward {num(last.get('reward/total'))}; "
               f"checkpoint {run.name}@latest in {run.dir}", highlight=False, soft_wrap=True)
     _exit_for(run)
+
+
+def _remote_policy(cfg, resume: bool):
+    """The [backend] service's policy (grooves.backend.client), or a clear error."""
+    if resume:
+        raise _fail("--resume: a run trained through [backend] cannot be resumed yet (its adapter is a saved "
+                    "state on the service; see docs/backend.md)")
+    try:
+        from grooves.backend.client import RemoteError, RemotePolicy, check_remote
+    except ImportError:
+        raise _fail("[backend] needs the tinker SDK: pip install 'grooves[backend]'") from None
+    try:
+        check_remote(cfg)
+    except RemoteError as error:
+        raise _fail(f"invalid config:\n{error}") from None
+    url = cfg.backend.url
+    try:
+        return RemotePolicy(url, cfg.backend.model or cfg.model.spec, cfg.backend.rank or cfg.lora.rank, cfg.seed)
+    except Exception as error:  # the SDK's connection, auth and refusal errors: say which service said what
+        raise _fail(f"backend.url: the service at {url} could not start a training client: "
+                    f"{type(error).__name__}: {error}") from None
 
 
 def _resume_command(command: str, config: Path, *, out_dir: Path | None = None, runs: Path | None = None) -> str:

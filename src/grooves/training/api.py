@@ -116,15 +116,18 @@ def task_sets(config: RunConfig) -> list[TaskSet]:
 def run_config(config: RunConfig, *, runs: str | Path | None = None, out: str | Path | None = None,
                resume: bool = False, progress: bool = True, acknowledge: tuple[str, ...] = (),
                stop_rule: StopRule | None = None, resume_command: str = "grooves train CONFIG --resume",
-               console: Console | None = None) -> Run:
+               console: Console | None = None, policy: Policy | None = None) -> Run:
     """Run (or resume) the training described by a config, as ``grooves train`` does.
+
+    ``policy``: sample and train this one instead of loading ``config.model`` (a remote policy,
+    ``grooves.backend.client.RemotePolicy``, for ``[backend]``).
 
     ``acknowledge``: detectors whose alerts only warn from now on (``--ack`` on resume).
     ``console``: where progress and alerts go (default: stderr); see ``grooves.progress``.
     """
     sets = task_sets(config)
     Reporter(console, enabled=progress).phase("loading", f"model {config.model.spec}")
-    policy = load_policy(config, runs)
+    policy = policy or load_policy(config, runs)
     share_backbones(sets, policy)
     run_dir = Path(out) if out else runs_root(runs) / config.name
     return TrainingRun(config, policy, sets, run_dir, resume=resume, progress=progress, console=console,

@@ -157,6 +157,15 @@ class AlertsConfig(_Section):
         return value
 
 
+class BackendConfig(_Section):
+    """Sample and train through a Tinker-compatible service (``grooves.backend.client``)."""
+
+    url: str = Field(description="The service's base URL, e.g. 'http://127.0.0.1:8100' for `grooves backend "
+                     "serve`. The API key is read from $TINKER_API_KEY, never from the config.")
+    model: str | None = Field(None, description="Base model name on the service (default: model.spec).")
+    rank: int | None = Field(None, ge=1, description="LoRA rank of the remote adapter (default: lora.rank).")
+
+
 class RunConfig(_Section):
     """Everything one training run needs; `grooves train CONFIG.toml` reads this."""
 
@@ -179,6 +188,8 @@ class RunConfig(_Section):
     log: LogConfig = Field(default_factory=LogConfig)
     monitors: MonitorsConfig = Field(default_factory=MonitorsConfig)
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+    backend: BackendConfig | None = Field(None, description="Sample and train on a Tinker-compatible service "
+                                          "([backend]); rewards, judges and monitors stay local.")
 
     @field_validator("name")
     @classmethod
@@ -275,6 +286,7 @@ def config_reference() -> str:
     sections.append(("[reward.endpoints.NAME] (one table per judge endpoint)", EndpointConfig, None))
     sections.append(("[[mix]] (one table per task set; with [mix.tasks] and [mix.reward] as above)",
                      MixConfig, None))
+    sections.append(("[backend] (sampling and training on a Tinker-compatible service)", BackendConfig, None))
     for title, model, defaults in sections:
         lines += [f"## {title}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for name, field in model.model_fields.items():

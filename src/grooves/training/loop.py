@@ -63,7 +63,8 @@ class TrainingRun:
         self.generator = torch.Generator(device=policy.device).manual_seed(config.seed)
         # An agent's rollout spans turns: its length budget is the env's, not one turn's.
         max_length = max([s.max_completion_length] + [t.env.max_tokens for t in task_sets if t.env is not None])
-        self.trainer = Trainer(policy, config.algorithm, config.optim, temperature=s.temperature,
+        trainer = getattr(policy, "trainer_class", Trainer)  # a remote policy ([backend]) brings its own
+        self.trainer = trainer(policy, config.algorithm, config.optim, temperature=s.temperature,
                                max_completion_length=max_length, total_steps=config.steps,
                                use_sampler_logprobs=config.train.use_sampler_logprobs,
                                share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
