@@ -262,6 +262,10 @@ def test_help_says_what_it_reads_writes_and_where(tmp_path):
     (tmp_path / "file").write_text("")
     result = runner.invoke(app, ["dashboard", "--runs", str(tmp_path / "file")])
     assert result.exit_code == 2 and "is not a folder" in result.output and "Traceback" not in result.output
+    run = tmp_path / "runs" / "my-run"  # a common slip: the run's own folder given as the root
+    make_run(run)
+    result = runner.invoke(app, ["dashboard", "--runs", str(run)], terminal_width=300)
+    assert result.exit_code == 2 and f"is a run, not a runs root: use --runs {run.parent}" in result.output
 
 
 def start(args: list[str], cwd) -> tuple[subprocess.Popen, str]:

@@ -44,6 +44,8 @@ def dashboard(
                     f"creates it)")
     if not root.is_dir():
         raise _fail(f"runs root {root} is not a folder (set --runs or $GROOVES_RUNS)")
+    if (root / "metrics.jsonl").is_file() or (root / "run.sqlite").is_file():
+        raise _fail(f"{root} is a run, not a runs root: use --runs {root.resolve().parent}")
     try:  # bound here: a busy port is one clear line, and port 0 prints the port it got
         sock = listen(host, port)
     except OSError as error:

@@ -40,7 +40,6 @@ from grooves.dashboard import compare as comparing
 from grooves.dashboard import runs as reading
 from grooves.training.review import ReviewError
 
-LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 MAX_BODY = 64 * 1024
 """Bytes a POST body may have: a label with its note is well under 3 KiB."""
 MAX_ID = 2**63 - 1  # SQLite's largest integer: beyond it a lookup is an OverflowError, not "no such sample"
