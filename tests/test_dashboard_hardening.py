@@ -223,6 +223,16 @@ def test_long_curves_are_thinned_to_what_a_chart_can_show(client, root):
     assert len(points) == 1000 and points[0] == [0, 0.0] and points[-1] == [4999, 4999 / 5000]
 
 
+def test_every_answer_forbids_other_scripts_and_framing(client):
+    for path in ("/", "/static/app.js", "/api/runs", "/api/runs/nope"):
+        headers = client.get(path).headers
+        policy = headers["content-security-policy"]
+        assert "default-src 'self'" in policy and "frame-ancestors 'none'" in policy, path
+        assert headers["x-frame-options"] == "DENY" and headers["x-content-type-options"] == "nosniff"
+    assert "frame-ancestors 'none'" in client.post("/api/runs/r/labels", content=b"x").headers[
+        "content-security-policy"]  # refused answers too
+
+
 # --- not on loopback: a token ------------------------------------------------------------------
 
 

@@ -169,7 +169,7 @@ def test_evaluations_show_markup_as_text(page, server):
     assert planted_elements(page) == 0
 
 
-EVIL_PAGE = """<!doctype html><body><iframe name="sink"></iframe>
+EVIL_PAGE = """<!doctype html><body><iframe name="sink"></iframe><iframe id="framed" src="DASH/"></iframe>
 <form id="f" method="POST" enctype="text/plain" target="sink" action="DASH/api/runs/RUN/labels">
 <input name='{"id": ID, "label": "hack", "note": "' value='form"}'></form>
 <script>
@@ -183,7 +183,7 @@ async function attack() {
 </script></body>"""
 
 
-def test_a_page_on_another_origin_cannot_label(page, server, root):
+def test_a_page_on_another_origin_cannot_label_nor_frame_the_dashboard(page, server, root):
     from urllib.parse import quote
 
     from fastapi import FastAPI
@@ -200,7 +200,11 @@ def test_a_page_on_another_origin_cannot_label(page, server, root):
     with ServerThread(evil) as other:  # 127.0.0.1 on another port: another origin
         page.goto(other.base_url.removesuffix("/v1") + "/")
         assert page.evaluate("attack()") == "sent"
+        framed = page.frame_locator("#framed")
+        page.wait_for_timeout(500)
+        assert framed.locator("#crumbs").count() == 0  # refused: nothing to click a label on
     with sqlite3.connect(root / RUN / "run.sqlite") as db:
         stored = db.execute("SELECT label, note FROM labels WHERE trajectory_id = ?", (target,)).fetchall()
     assert stored == [("hack", f"note {IMG}")]  # the label the fixture stored, untouched
     assert sorted(answered) == [403, 403, 403]  # each attempt reached the dashboard and was refused
+

@@ -4,6 +4,8 @@ Routes: ``GET /`` (the page), ``GET /static/...``, ``GET /api/runs``, ``GET /api
 ``GET /api/runs/{run}/review``, ``POST /api/runs/{run}/labels``,
 ``GET /api/runs/{run}/samples/{id}``, ``POST /api/runs/{run}/compare``, ``GET /api/evals``,
 ``GET /api/evals/{name}/chart``.
+Every answer carries a Content-Security-Policy that lets only the package's own script run
+and forbids framing (no clickjacking a label).
 
 Every request passes ``Guard`` first. Bound to loopback, the app answers only requests whose
 ``Host`` is a loopback name, so a web page elsewhere cannot read runs through DNS rebinding.
@@ -44,6 +46,13 @@ MAX_BODY = 64 * 1024
 """Bytes a POST body may have: a label with its note is well under 3 KiB."""
 MAX_ID = 2**63 - 1  # SQLite's largest integer: beyond it a lookup is an OverflowError, not "no such sample"
 COOKIE = "grooves_dashboard_token"
+HEADERS = [  # on every answer: only the package's own script runs, and no other site may frame the page
+    (b"content-security-policy", b"default-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "
+                                 b"frame-ancestors 'none'"),
+    (b"x-frame-options", b"DENY"),  # a framed page could be clicked into labelling (clickjacking)
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+]
 
 
 class LabelRequest(BaseModel):
@@ -90,6 +99,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        send = _with_headers(send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host", "")
         if self.check_host and not is_loopback(hostname(host)):
@@ -151,6 +161,15 @@ def _foreign(headers: dict[str, str], host: str) -> str | None:
         declared = f"it was declared {kind!r}" if kind else "no Content-Type was declared"
         return f"the body must be JSON (Content-Type: application/json); {declared}"
     return None
+
+
+def _with_headers(send):
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *HEADERS]}
+        await send(message)
+
+    return sending
 
 
 def _replay(body: bytes, receive):
