@@ -314,7 +314,7 @@ def test_the_command_serves_the_address_it_prints_and_stops_cleanly(tmp_path, ro
         url = printed.split("grooves dashboard on ")[1].split()[0]
         port = url.split(":")[2].split("/")[0]
         assert httpx.get(f"http://127.0.0.1:{port}/api/runs").status_code == 401
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as browser:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", follow_redirects=True) as browser:
             assert browser.get("/" + url.split("/", 3)[3]).status_code == 200  # ?token=... then the page
             assert browser.get("/api/runs").status_code == 200
     finally:

@@ -208,3 +208,25 @@ def test_a_page_on_another_origin_cannot_label_nor_frame_the_dashboard(page, ser
     assert stored == [("hack", f"note {IMG}")]  # the label the fixture stored, untouched
     assert sorted(answered) == [403, 403, 403]  # each attempt reached the dashboard and was refused
 
+
+
+def test_a_live_redraw_keeps_the_evidence_the_reader_opened(page, server, root):
+    import os
+    import socket
+
+    from grooves.training.store import RunStore
+
+    store = RunStore(root / "live")
+    store.log_metrics(1, {"reward/total": 0.1})
+    store.record_alert(1, "collapse", "warn", "same outputs", {"text": "aaaa", "action": "warn"})
+    (root / "live" / ".lock.owner").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    try:
+        page.goto(server + "/#/run/live")
+        page.locator("[data-testid=alert] summary").click()
+        assert page.locator("[data-testid=alert] details[open]").count() == 1
+        store.log_metrics(2, {"reward/total": 0.3})  # the trainer writes a step: the page redraws
+        page.locator("[data-chart='reward/total'] polyline").wait_for(timeout=15_000)
+        assert page.locator("[data-testid=alert] details[open]").count() == 1
+    finally:
+        store.close()
+        (root / "live" / ".lock.owner").unlink()

@@ -139,9 +139,9 @@ function chart(spec, alerts) {
 
 function alertList(alerts) {
   if (!alerts.length) return el("p", {class: "muted"}, "No alerts.");
-  return el("ul", {class: "alerts"}, alerts.map((a) => el("li", {"data-testid": "alert"},
+  return el("ul", {class: "alerts"}, alerts.map((a, i) => el("li", {"data-testid": "alert"},
     el("span", {class: "sev"}, `step ${a.step} · ${a.detector} · ${a.severity}`), " ", a.message,
-    el("details", {}, el("summary", {}, "evidence"), el("pre", {class: "evidence"}, JSON.stringify(a.evidence, null, 1))))));
+    el("details", {"data-key": `alert-${i}`}, el("summary", {}, "evidence"), el("pre", {class: "evidence"}, JSON.stringify(a.evidence, null, 1))))));
 }
 
 async function showRun(name) {
@@ -151,6 +151,9 @@ async function showRun(name) {
     const run = await api(`/api/runs/${enc(name)}`);
     if (run.version === version) return run.status === "running";
     version = run.version;
+    // A redraw while the run trains keeps the evidence the reader has open, and the scroll.
+    const open = new Set([...main.querySelectorAll("details[open][data-key]")].map((d) => d.dataset.key));
+    const scroll = window.scrollY;
     const steps = run.review_steps.train || [];
     main.replaceChildren(
       el("h1", {}, run.name, " ", statusBadge(run.status)),
@@ -166,6 +169,8 @@ async function showRun(name) {
       run.charts.length ? el("div", {class: "charts"}, run.charts.map((c) => chart(c, run.alerts)))
         : el("p", {class: "muted"}, "No metrics yet."),
       el("h2", {}, `Alerts (${run.alerts.length})`), alertList(run.alerts));
+    main.querySelectorAll("details[data-key]").forEach((d) => { d.open = open.has(d.dataset.key); });
+    window.scrollTo(0, scroll);
     return run.status === "running";
   };
   const running = await draw();
