@@ -99,7 +99,9 @@ def browser(root):
 
 @pytest.fixture
 def page(browser):
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    # bypass_csp: wait_for_function evaluates a string, which the dashboard's policy forbids a page
+    # (tests/test_dashboard_untrusted_browser.py runs under the policy).
+    page = browser.new_page(viewport={"width": 1280, "height": 900}, bypass_csp=True)
     errors = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     yield page

@@ -3,7 +3,10 @@
 Everything returns plain JSON-ready data. A run is a folder under the root with a
 ``metrics.jsonl`` or a ``run.sqlite``; names are plain folder names (no path tricks). The
 only write is a review label, through ``training.review.store_labels`` (the same rows
-``grooves review --label`` writes).
+``grooves review --label`` writes), into an existing ``run.sqlite`` that is a file of the run
+folder, not a link to one elsewhere. A run half written by a crash (no metrics yet, a cut or
+corrupt line, an alert with unreadable evidence) still lists and opens: what cannot be read
+is skipped and counted, never a failed page.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from typing import Any
 
 from grooves.policy.checkpoints import list_checkpoints
 from grooves.training.review import LABELS, Label, ReviewError, review, store_labels, task_prompt
-from grooves.training.store import RunStore, read_metrics
+from grooves.training.store import RunStore
 
 CHARTS = ("kl", "entropy", "completion_len", "clipfrac")
 """Charts after the reward components; ``completion_len`` is overlaid with ``val/completion_len``."""
+MAX_POINTS = 1000
+"""Points per curve sent to the page: a longer curve is thinned evenly, its last point kept."""
+BUSY_MS = 30_000
+"""How long a label waits for the training process's write to finish (SQLite's busy timeout)."""
 
 
 class RunNotFound(LookupError):
@@ -31,7 +38,8 @@ class RunNotFound(LookupError):
 
 
 def run_dir(root: Path, name: str) -> Path:
-    if not name or "/" in name or "\\" in name or name in {".", ".."} or name.startswith("."):
+    if (not name or "/" in name or "\\" in name or "\0" in name or name.startswith(".")
+            or len(name.encode()) > 255):
         raise RunNotFound(f"{name!r} is not a run name")
     folder = root / name
     if not ((folder / "metrics.jsonl").is_file() or (folder / "run.sqlite").is_file()):
@@ -47,13 +55,44 @@ def list_runs(root: Path) -> list[dict[str, Any]]:
     for folder in root.iterdir():
         if folder.is_dir() and not folder.name.startswith(".") and (
                 (folder / "metrics.jsonl").is_file() or (folder / "run.sqlite").is_file()):
-            runs.append(run_summary(folder))
+            try:
+                runs.append(run_summary(folder))
+            except Exception as error:  # one unreadable run must not hide the others
+                runs.append({"name": folder.name, "status": "unreadable", "error": f"{type(error).__name__}: "
+                             f"{error}", "step": None, "steps": None, "reward": None, "val_reward": None,
+                             "val_step": None, "alerts": 0, "started": None, "duration": None, "checkpoints": []})
     return sorted(runs, key=lambda r: (-(r["started"] or 0), r["name"]))
+
+
+def metric_rows(folder: Path) -> tuple[list[dict[str, Any]], int]:
+    """``metrics.jsonl``'s rows that have a step, and how many other lines were skipped
+    (corrupt, not an object, no whole-number step). A last line without its newline is being
+    written (or was cut by a crash): skipped, not counted."""
+    try:
+        text = (folder / "metrics.jsonl").read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return [], 0
+    lines = text.split("\n")
+    lines.pop()  # "" when the file ends with a newline; else a line still being written
+    rows, skipped = [], 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            rows.append(row)
+        else:
+            skipped += 1
+    return rows, skipped
 
 
 def run_summary(folder: Path) -> dict[str, Any]:
     """Status, step, newest rewards, alert count, start and duration of one run."""
-    rows = read_metrics(folder / "metrics.jsonl")
+    rows, skipped = metric_rows(folder)
     alerts = _alerts(folder)
     last = next((r for r in reversed(rows) if r.get("reward/total") is not None), {})
     last_val = next((r for r in reversed(rows) if r.get("val/reward/total") is not None), {})
@@ -64,7 +103,7 @@ def run_summary(folder: Path) -> dict[str, Any]:
             "reward": last.get("reward/total"), "val_reward": last_val.get("val/reward/total"),
             "val_step": last_val.get("step"), "alerts": len(alerts),
             "started": min(times) if times else None, "duration": (max(times) - min(times)) if times else None,
-            "checkpoints": [step for step, _ in list_checkpoints(folder)]}
+            "checkpoints": [step for step, _ in list_checkpoints(folder)], "skipped_lines": skipped}
 
 
 def _configured_steps(folder: Path) -> int | None:
@@ -94,6 +133,8 @@ def _training(folder: Path) -> bool:
         owner = json.loads((folder / ".lock.owner").read_text())
     except (OSError, ValueError):
         return False
+    if not isinstance(owner, dict):
+        return False
     if owner.get("host") != socket.gethostname():
         return True  # another machine's process: its word is all there is
     try:
@@ -114,23 +155,33 @@ def _alerts(folder: Path) -> list[dict[str, Any]]:
         with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:
             rows = connection.execute("SELECT step, detector, severity, message, evidence, created FROM alerts "
                                       "ORDER BY id").fetchall()
-    except sqlite3.OperationalError:  # no alerts table yet
+    except sqlite3.DatabaseError:  # no alerts table yet, or not a database at all
         return []
-    return [{"step": step, "detector": detector, "severity": severity, "message": message,
-             "evidence": json.loads(evidence), "created": created}
+    return [{"step": step, "detector": str(detector), "severity": str(severity), "message": str(message),
+             "evidence": _evidence(evidence), "created": created}
             for step, detector, severity, message, evidence, created in rows]
+
+
+def _evidence(text) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return {"unreadable": str(text)}
+    return value if isinstance(value, dict) else {"value": value}
 
 
 def run_detail(root: Path, name: str) -> dict[str, Any]:
     """A run's summary, its curves as ``{metric: [[step, value], ...]}`` grouped into charts,
     its alerts and the steps that have samples to review."""
     folder = run_dir(root, name)
-    rows = read_metrics(folder / "metrics.jsonl")
+    rows, _ = metric_rows(folder)
     series: dict[str, list] = {}
     for row in rows:
         for key, value in row.items():
-            if key not in ("step", "time") and isinstance(value, (int, float)) and math.isfinite(value):
+            if (key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and math.isfinite(value)):
                 series.setdefault(key, []).append([row["step"], value])
+    series = {key: thin(points) for key, points in series.items()}
     components = sorted({key[len("reward/"):] for key in series if key.startswith("reward/")
                          and key.count("/") == 1} | {key[len("val/reward/"):] for key in series
                                                      if key.startswith("val/reward/") and key.count("/") == 2},
@@ -144,6 +195,14 @@ def run_detail(root: Path, name: str) -> dict[str, Any]:
             "version": f"{_version(folder)}/{summary['status']}"}
 
 
+def thin(points: list, limit: int = MAX_POINTS) -> list:
+    """At most ``limit`` evenly spaced points, the first and the last kept."""
+    if len(points) <= limit:
+        return points
+    stride = (len(points) - 1) / (limit - 1)
+    return [points[round(i * stride)] for i in range(limit)]
+
+
 def _lines(series: dict[str, list], train: str, heldout: str) -> list[dict[str, Any]]:
     return [{"label": label, "metric": metric, "points": series[metric]}
             for label, metric in (("train", train), ("held-out", heldout)) if metric in series]
@@ -153,8 +212,12 @@ def _version(folder: Path) -> str:
     """Changes whenever the run writes a metric, a sample, an alert or a label (live updates)."""
     parts = []
     for name in ("metrics.jsonl", "run.sqlite", "run.sqlite-wal"):
-        path = folder / name
-        parts.append(f"{path.stat().st_size}:{path.stat().st_mtime_ns}" if path.exists() else "-")
+        try:  # the WAL file comes and goes as the trainer's connection opens and closes
+            stat = (folder / name).stat()
+        except OSError:
+            parts.append("-")
+            continue
+        parts.append(f"{stat.st_size}:{stat.st_mtime_ns}")
     return "/".join(parts)
 
 
@@ -165,7 +228,7 @@ def _sample_steps(folder: Path) -> dict[str, list[int]]:
     try:
         with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:
             rows = connection.execute("SELECT DISTINCT split, step FROM trajectories ORDER BY step").fetchall()
-    except sqlite3.OperationalError:
+    except sqlite3.DatabaseError:
         return {}
     steps: dict[str, list[int]] = {}
     for split, step in rows:
@@ -178,7 +241,7 @@ def _sample_steps(folder: Path) -> dict[str, list[int]]:
 
 def step_review(root: Path, name: str, step: int | None, split: str, k: int, seed: int) -> dict[str, Any]:
     """Top, bottom and random samples of a step, as ``grooves review`` chooses them."""
-    store = RunStore(run_dir(root, name))
+    store = _open_store(root, name)
     try:
         (chosen,) = review(store, [step] if step is not None else None, k=k, split=split, seed=seed)
         turns = _turn_counts(store, [s.id for s in chosen.shown()])
@@ -198,6 +261,18 @@ def _sample(sample, turns: int) -> dict[str, Any]:
             "label": {"label": sample.label.label, "note": sample.label.note} if sample.label else None}
 
 
+def _open_store(root: Path, name: str) -> RunStore:
+    """The run's store, only when its ``run.sqlite`` is a real file in the run folder: opening
+    never creates a database, and a label never writes through a link to a file elsewhere."""
+    folder = run_dir(root, name)
+    db = folder / "run.sqlite"
+    if db.is_symlink():
+        raise ReviewError(f"{db} is a link, not the run's own file: the dashboard does not open it")
+    if not db.is_file():
+        raise ReviewError(f"run {name!r} has no run.sqlite yet: no samples are recorded")
+    return RunStore(folder)
+
+
 def _turn_counts(store: RunStore, ids: list[int]) -> dict[int, int]:
     """Assistant turns per trajectory id (more than one: a multi-turn rollout)."""
     if not ids:
@@ -214,8 +289,10 @@ def label_sample(root: Path, name: str, ident: int, label: str, note: str) -> di
     """Store one label (relabelling replaces), exactly as ``grooves review --label`` does."""
     if label not in LABELS:
         raise ReviewError(f"label must be one of {', '.join(LABELS)}; got {label!r}")
-    store = RunStore(run_dir(root, name))
+    store = _open_store(root, name)
     try:
+        # The training process writes this database too: wait for its write rather than fail.
+        store.db.execute(f"PRAGMA busy_timeout = {BUSY_MS}")
         store_labels(store, [Label(ident, label, note.strip())])
         stored = store.read_labels()[ident]
     finally:
@@ -229,7 +306,7 @@ def label_sample(root: Path, name: str, ident: int, label: str, note: str) -> di
 def transcript(root: Path, name: str, ident: int, tokenizer=None) -> dict[str, Any]:
     """A stored trajectory's messages (tool calls and results included) and its completion
     tokens cut into spans that were trained (the model's own tokens) or not (the env's)."""
-    store = RunStore(run_dir(root, name))
+    store = _open_store(root, name)
     try:
         rows = store.db.execute("SELECT step, split, task_id FROM trajectories WHERE id = ?", (ident,)).fetchall()
         if not rows:

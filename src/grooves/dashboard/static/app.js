@@ -1,5 +1,7 @@
 // The grooves dashboard page: hash routes over the JSON API, charts drawn as inline SVG.
-// Text from runs (completions, tool results, notes) is only ever set as textContent.
+// Text from runs (completions, prompts, tool results, task ids, run names, notes) is written by
+// models and users: it only ever enters the page as a text node or an attribute value set with
+// setAttribute, never as HTML (no innerHTML anywhere); tests/test_dashboard_untrusted_browser.py checks.
 "use strict";
 
 const main = document.getElementById("main");
@@ -31,7 +33,12 @@ async function api(path, body) {
   const options = body === undefined ? {} : {
     method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)};
   const response = await fetch(path, options);
-  const data = await response.json();
+  let data;
+  try {
+    data = await response.json();
+  } catch (error) {
+    throw new Error(`${response.status} ${response.statusText}: not a dashboard answer`);
+  }
   if (!response.ok) {
     const detail = data.error || (data.detail && JSON.stringify(data.detail)) || response.statusText;
     throw new Error(detail);
@@ -52,6 +59,11 @@ function statusBadge(status) {
     : status.includes("alert") ? "paused" : "";
   return el("span", {class: `status ${kind}`, "data-testid": "status"}, status);
 }
+function extent(values) { // Math.min(...values) overflows the call stack on long runs
+  let [lo, hi] = [Infinity, -Infinity];
+  for (const v of values) { if (v < lo) lo = v; if (v > hi) hi = v; }
+  return [lo, hi];
+}
 const enc = encodeURIComponent;
 
 function crumbs(...parts) {
@@ -71,7 +83,7 @@ async function showRuns() {
   const data = await api("/api/runs");
   const rows = data.runs.map((r) => el("tr", {"data-run": r.name},
     el("td", {}, el("a", {href: `#/run/${enc(r.name)}`}, r.name)),
-    el("td", {}, statusBadge(r.status)),
+    el("td", {title: r.error || null}, statusBadge(r.status), r.error ? el("div", {class: "error"}, r.error) : null),
     el("td", {class: "num"}, r.step === null ? "–" : (r.steps ? `${r.step} / ${r.steps}` : r.step)),
     el("td", {class: "num"}, fmt(r.reward)),
     el("td", {class: "num"}, r.val_reward === null ? "–" : `${fmt(r.val_reward)} (step ${r.val_step})`),
@@ -93,8 +105,8 @@ function chart(spec, alerts) {
   const points = spec.lines.flatMap((line) => line.points);
   const steps = points.map((p) => p[0]).concat(alerts.map((a) => a.step));
   const values = points.map((p) => p[1]);
-  let [x0, x1] = [Math.min(...steps), Math.max(...steps)];
-  let [y0, y1] = [Math.min(...values), Math.max(...values)];
+  let [x0, x1] = extent(steps);
+  let [y0, y1] = extent(values);
   if (x0 === x1) { x0 -= 1; x1 += 1; }
   if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
   const x = (s) => L + ((s - x0) / (x1 - x0)) * (W - L - R);
@@ -127,9 +139,9 @@ function chart(spec, alerts) {
 
 function alertList(alerts) {
   if (!alerts.length) return el("p", {class: "muted"}, "No alerts.");
-  return el("ul", {class: "alerts"}, alerts.map((a) => el("li", {"data-testid": "alert"},
+  return el("ul", {class: "alerts"}, alerts.map((a, i) => el("li", {"data-testid": "alert"},
     el("span", {class: "sev"}, `step ${a.step} · ${a.detector} · ${a.severity}`), " ", a.message,
-    el("details", {}, el("summary", {}, "evidence"), el("pre", {class: "evidence"}, JSON.stringify(a.evidence, null, 1))))));
+    el("details", {"data-key": `alert-${i}`}, el("summary", {}, "evidence"), el("pre", {class: "evidence"}, JSON.stringify(a.evidence, null, 1))))));
 }
 
 async function showRun(name) {
@@ -139,12 +151,17 @@ async function showRun(name) {
     const run = await api(`/api/runs/${enc(name)}`);
     if (run.version === version) return run.status === "running";
     version = run.version;
+    // A redraw while the run trains keeps the evidence the reader has open, and the scroll.
+    const open = new Set([...main.querySelectorAll("details[open][data-key]")].map((d) => d.dataset.key));
+    const scroll = window.scrollY;
     const steps = run.review_steps.train || [];
     main.replaceChildren(
       el("h1", {}, run.name, " ", statusBadge(run.status)),
       el("p", {}, `step ${run.step ?? "–"}${run.steps ? " of " + run.steps : ""} · reward ${fmt(run.reward)} · ` +
         `held-out ${fmt(run.val_reward)} · started ${when(run.started)} · ${duration(run.duration)} · ` +
         `checkpoints: ${run.checkpoints.join(", ") || "none"}`),
+      run.skipped_lines ? el("p", {class: "error", "data-testid": "skipped"}, `${run.skipped_lines} line(s) of ` +
+        "metrics.jsonl could not be read and are left out of the curves.") : null,
       el("div", {class: "toolbar"},
         steps.length ? el("a", {href: `#/run/${enc(name)}/review`}, "Review samples") : null,
         run.checkpoints.length ? el("a", {href: `#/run/${enc(name)}/compare`}, "Compare checkpoints") : null),
@@ -152,6 +169,8 @@ async function showRun(name) {
       run.charts.length ? el("div", {class: "charts"}, run.charts.map((c) => chart(c, run.alerts)))
         : el("p", {class: "muted"}, "No metrics yet."),
       el("h2", {}, `Alerts (${run.alerts.length})`), alertList(run.alerts));
+    main.querySelectorAll("details[data-key]").forEach((d) => { d.open = open.has(d.dataset.key); });
+    window.scrollTo(0, scroll);
     return run.status === "running";
   };
   const running = await draw();
@@ -319,7 +338,7 @@ async function showEvals() {
       el("td", {class: "num"}, c.reward === null ? "failed" : `${fmt(c.reward)} ± ${fmt(c.reward_se)}`),
       el("td", {class: "num"}, c.success === null ? "–" : `${Math.round(c.success * 100)}%`),
       el("td", {class: "num"}, fmt(c.latency_p50, 2)), el("td", {class: "num"}, fmt(c.latency_p95, 2)),
-      el("td", {class: "num"}, fmt(c.tokens_per_s, 1)), el("td", {class: "num"}, Math.round(c.tokens_per_1k)),
+      el("td", {class: "num"}, fmt(c.tokens_per_s, 1)), el("td", {class: "num"}, fmt(c.tokens_per_1k, 0)),
       el("td", {class: "num"}, fmt(c.cost_per_1k, 4))))));
   main.replaceChildren(el("h1", {}, "Evaluations"), el("p", {class: "muted"}, `grooves eval results in ${data.root}`),
     ...(data.evals.length ? data.evals.map((e) => el("section", {},
@@ -335,10 +354,10 @@ async function showEvals() {
 async function route() {
   clearInterval(timer);
   live(false);
-  const [path, query] = location.hash.replace(/^#/, "").split("?");
-  const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
-  const params = new URLSearchParams(query || "");
   try {
+    const [path, query] = location.hash.replace(/^#/, "").split("?");
+    const parts = path.split("/").filter(Boolean).map(decodeURIComponent); // a stray % throws: shown below
+    const params = new URLSearchParams(query || "");
     let refresh;
     if (parts[0] === "run" && parts[2] === "review") refresh = await showReview(parts[1], params);
     else if (parts[0] === "run" && parts[2] === "sample") refresh = await showSample(parts[1], parts[3]);
@@ -348,7 +367,15 @@ async function route() {
     else refresh = (await showRuns()) ? showRuns : false;
     if (refresh) {
       live(true);
-      timer = setInterval(async () => { if (!(await refresh())) { clearInterval(timer); live(false); } }, 2000);
+      const mine = setInterval(async () => {
+        try {
+          if (!(await refresh())) { clearInterval(mine); live(false); }
+          else live(true);
+        } catch (error) { // the server restarting, say: keep the page, say so, try again
+          if (mine === timer) document.getElementById("live").textContent = `● live (update failed: ${error.message})`;
+        }
+      }, 2000);
+      timer = mine;
     }
   } catch (error) {
     main.replaceChildren(el("p", {class: "error"}, error.message));
