@@ -10,7 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from grooves.cli import app
+from grooves.envs import load_env
+from grooves.policy import Policy
 from grooves.training.evals import Candidate, EvalConfig, evaluate_candidates, mean_se, percentile
+from grooves.training.store import RunStore
 from helpers import tiny_config
 
 runner = CliRunner()
@@ -47,6 +50,17 @@ def test_local_candidates_match_the_runs_heldout_metrics(root):
     assert base.reward == pytest.approx(heldout_reward(root, 0))  # step 0 validates the untrained base
     assert trained.reward == pytest.approx(heldout_reward(root, 2))
     assert merged.reward == pytest.approx(trained.reward, abs=1e-6)
+    # Task by task, the answers and rewards `grooves review tiny-run --split val` shows for steps 0 and 2.
+    store = RunStore(root / RUN)
+    try:
+        for result, step in ((base, 0), (trained, 2)):
+            stored = {r.task_id: r.trajectory for r in store.trajectory_records("val", [step])}
+            assert {s["task_id"]: s["completion"] for s in result.samples} == {k: t.completion for k, t in stored.items()}
+            assert [s["reward"] for s in result.samples] == pytest.approx([stored[s["task_id"]].reward
+                                                                           for s in result.samples])
+    finally:
+        store.close()
+    assert [s["completion"] for s in base.samples] != [s["completion"] for s in trained.samples]  # the adapter counts
     assert trained.tasks == 4 and trained.failed == 0 and set(trained.components) == {"vowels", "short"}
     assert trained.latency_p50 > 0 and trained.latency_p95 >= trained.latency_p50 and trained.tokens_per_s > 0
     # Cost per 1,000 tasks by hand: $1 per million prompt tokens, $2 per million completion tokens.
@@ -100,3 +114,92 @@ def test_bad_configs_exit_2_with_a_message(tmp_path, body, message):
     path.write_text(body)
     result = runner.invoke(app, ["eval", str(path), "--runs", str(tmp_path / "runs")])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+ENV_RUN = '''
+name = "docs"
+seed = 0
+[model]
+spec = "tiny"
+[env]
+name = "search"
+options = {max_turns = 3}
+train_tasks = 2
+heldout_tasks = 2
+[sampling]
+max_completion_length = 40
+[log]
+val_size = 2
+tensorboard = false
+'''
+
+
+@pytest.fixture(scope="module")
+def search_server(tmp_path_factory):
+    """A live grooves serve of the tiny base on 127.0.0.1, and a run config of the search env on it."""
+    from grooves.serve.app import ServerThread, build_server, create_app
+
+    folder = tmp_path_factory.mktemp("env-eval")
+    (folder / "run.toml").write_text(ENV_RUN)
+    server = build_server("tiny", runs=folder / "runs")
+    try:
+        with ServerThread(create_app(server)) as thread:
+            yield folder, thread.base_url
+    finally:
+        server.engine.halt()
+
+
+def test_an_endpoint_candidate_on_env_tasks_scores_as_the_local_model(search_server):
+    """Env tasks through the endpoint's chat API with the env's tools: the same model, greedy, scores
+    as it does in this process (each sample the same env scores, turns and ending)."""
+    folder, url = search_server
+    cfg = EvalConfig(config="run.toml", latency_tasks=1, candidates=[
+        Candidate(name="local", model="base"), Candidate(name="served", model="tiny", endpoint=url, price_out=1.0)])
+    local, served = evaluate_candidates(cfg, folder, runs=folder / "runs")
+    assert served.kind == "endpoint" and served.tasks == local.tasks == 2 and served.failed == 0
+    assert served.reward == pytest.approx(local.reward, abs=1e-6) and served.success == local.success
+    assert "exact" in served.components and set(served.components) == set(local.components)
+    for mine, theirs in zip(local.samples, served.samples):
+        assert (theirs["env_scores"], theirs["turns"], theirs["finish"]) == (mine["env_scores"], mine["turns"],
+                                                                             mine["finish"])
+    assert served.prompt_tokens > 0 and served.completion_tokens > 0
+    assert served.cost_per_1k == pytest.approx(1000 * served.completion_tokens / 1e6)
+
+
+def test_an_endpoint_candidate_runs_multi_turn_tool_calls(search_server):
+    """tool_choice = "required": every turn of the tiny model through the endpoint is a structured tool
+    call; the env runs it and its result goes back in the next request, turn after turn."""
+    folder, url = search_server
+    cfg = EvalConfig(config="run.toml", candidates=[
+        Candidate(name="served", model="tiny", endpoint=url, tool_choice="required")])
+    (served,) = evaluate_candidates(cfg, folder, runs=folder / "runs")
+    for sample in served.samples:
+        # every turn one call (none malformed, so no turn was a text answer); ended by the answer tool or the limit
+        assert sample["tool_calls"] == sample["turns"] >= 1
+        assert sample["finish"] == "answer" or sample["turns"] == 3
+    assert max(s["turns"] for s in served.samples) > 1
+    # billed per request: every turn's prompt (the whole conversation so far, at least the first
+    # prompt) counts, so a task's prompt tokens are at least its turns times its first prompt
+    env, policy = load_env("search"), Policy.load("tiny")
+    tasks = {t["id"]: t for t in env.tasks("heldout")}
+    least = [s["turns"] * len(policy.chat_ids(env.prompt(tasks[s["task_id"]]), tools=env.tool_schemas()))
+             for s in served.samples]
+    assert served.prompt_tokens >= sum(least) / len(least)
+
+
+def test_tool_choice_is_checked():
+    with pytest.raises(ValueError, match="tool_choice"):
+        Candidate(name="x", model="m", endpoint="http://127.0.0.1:1/v1", tool_choice="always")
+
+
+def test_conversation_messages_as_the_api_takes_them():
+    from grooves.training.evals import _wire
+
+    call = {"id": "call_1_0", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+    assert _wire({"role": "assistant", "content": "", "raw": "<tool_call>...", "tool_calls": [call]}) == {
+        "role": "assistant", "content": "", "tool_calls": [call]}
+    assert _wire({"role": "tool", "tool_call_id": "call_1_0", "name": "search", "content": "[]"}) == {
+        "role": "tool", "tool_call_id": "call_1_0", "content": "[]"}
+    # an env error that answers no call (a malformed one) cannot be a tool message
+    assert _wire({"role": "tool", "name": "error", "content": "error: bad JSON"}) == {
+        "role": "user", "content": "error: bad JSON"}
