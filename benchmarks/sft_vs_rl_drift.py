@@ -27,7 +27,7 @@ held-out prompts along the model's greedy completions; forgetting, the rise in N
 the reference answers of ``general_qa.jsonl`` (a task neither run trained on). Each as SFT/RL.
 
     python benchmarks/sft_vs_rl_drift.py            # the full comparison (about 15 min on 2 quiet cores)
-    python benchmarks/sft_vs_rl_drift.py --quick    # a smoke check: a few steps of each, small evals
+    python benchmarks/sft_vs_rl_drift.py --quick    # a smoke check: one step of each, small evals
 
 The last line is machine-readable:
 ``sft_vs_rl_drift level=L reward_sft=X reward_rl=Y dw_sft=A dw_rl=B dw_ratio=R dwmax_sft=.. dwmax_rl=..
@@ -119,7 +119,7 @@ def ratio(a: float, b: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="A smoke check: 2 steps of each, small evaluations.")
+    parser.add_argument("--quick", action="store_true", help="A smoke check: 1 step of each, small evaluations.")
     parser.add_argument("--runs", type=Path, help="Keep the two runs here (default: a temporary folder).")
     parser.add_argument("--rl-steps", type=int, default=25)
     parser.add_argument("--rl-every", type=int, default=5, help="RL checkpoint and validation interval.")
@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--kl-tokens", type=int, default=24, help="Greedy tokens per prompt for the KL.")
     args = parser.parse_args()
     if args.quick:
-        args.rl_steps, args.rl_every, args.sft_steps, args.sft_every, args.sft_batch = 2, 1, 2, 1, 4
+        args.rl_steps, args.rl_every, args.sft_steps, args.sft_every, args.sft_batch = 1, 1, 1, 1, 4
         args.heldout, args.kl_prompts, args.kl_tokens = 6, 3, 8
     started = time.perf_counter()
     root = args.runs or Path(tempfile.mkdtemp(prefix="sft-vs-rl-"))

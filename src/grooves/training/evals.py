@@ -205,8 +205,7 @@ def _endpoint(candidate: Candidate, run_config, heldout) -> Result:
                 if task_set.env is None:
                     trajectory, used = _endpoint_answer(client, candidate, task_set.render(task), sampling)
                 else:
-                    trajectory, used = _endpoint_rollout(client, candidate, task_set.env, task, sampling,
-                                                         run_config.seed)
+                    trajectory, used = _endpoint_rollout(client, candidate, task_set.env, task, sampling)
             except OpenAIError as error:
                 raise EvalError(f"candidate {candidate.name} at {candidate.endpoint}: {error}") from None
             seconds = time.perf_counter() - start
@@ -239,7 +238,7 @@ def _endpoint_answer(client, candidate: Candidate, messages: list[dict], samplin
     return trajectory, used
 
 
-def _endpoint_rollout(client, candidate: Candidate, env, task, sampling, seed: int) -> tuple[Trajectory, tuple]:
+def _endpoint_rollout(client, candidate: Candidate, env, task, sampling) -> tuple[Trajectory, tuple]:
     """An env task through the endpoint's chat API with the env's tools: each model turn is one
     chat completion of the conversation so far; its tool calls (the endpoint's ``tool_calls``, or
     calls left in its text) go to the env as the text the env parses, so the env runs, checks and
@@ -250,7 +249,7 @@ def _endpoint_rollout(client, candidate: Candidate, env, task, sampling, seed: i
     from grooves.policy.tools import tool_call_text
 
     tools = env.tool_schemas() or None
-    state = env.reset(task, seed)
+    state = env.reset(task)  # the world a local validation rollout meets (env_groups' seed 0)
     prompt = completion = 0
     try:
         while not env.is_done(state):
