@@ -37,6 +37,25 @@ def root(tmp_path_factory):
     return runs
 
 
+def noisy_copy(runs, name: str) -> str:
+    """A copy of the run whose step-2 adapter has every LoRA matrix replaced by noise."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from grooves.policy.checkpoints import MANIFEST
+
+    shutil.copytree(runs / RUN, runs / name)
+    checkpoint = runs / name / "checkpoints" / "step-0002"
+    (checkpoint / MANIFEST).unlink()  # its hashes are of the real adapter; without it: a plain, older checkpoint
+    path = checkpoint / "adapter" / "adapter_model.safetensors"
+    generator = torch.Generator().manual_seed(0)
+    save_file({key: torch.randn(t.shape, generator=generator) * 0.5 for key, t in load_file(str(path)).items()},
+              str(path))
+    return name
+
+
 def heldout_reward(runs, step: int) -> float:
     rows = [json.loads(line) for line in (runs / RUN / "metrics.jsonl").read_text().splitlines()]
     return next(r["val/reward/total"] for r in rows if r["step"] == step and "val/reward/total" in r)
@@ -55,12 +74,18 @@ def test_local_candidates_match_the_runs_heldout_metrics(root):
     try:
         for result, step in ((base, 0), (trained, 2)):
             stored = {r.task_id: r.trajectory for r in store.trajectory_records("val", [step])}
-            assert {s["task_id"]: s["completion"] for s in result.samples} == {k: t.completion for k, t in stored.items()}
+            answers = {s["task_id"]: s["completion"] for s in result.samples}
+            assert answers == {task_id: t.completion for task_id, t in stored.items()}
             assert [s["reward"] for s in result.samples] == pytest.approx([stored[s["task_id"]].reward
                                                                            for s in result.samples])
     finally:
         store.close()
-    assert [s["completion"] for s in base.samples] != [s["completion"] for s in trained.samples]  # the adapter counts
+    # Two tiny steps leave the greedy answers as they were (base and trained agree above), so that
+    # the adapter is really applied is checked on a copy of the run whose adapter is noise instead.
+    noisy = noisy_copy(root, "noisy")
+    (moved,) = evaluate_candidates(EvalConfig(run=RUN, latency_tasks=1, candidates=[
+        Candidate(name="noisy", model=f"{noisy}@2")]), runs=root)
+    assert [s["completion"] for s in moved.samples] != [s["completion"] for s in trained.samples]
     assert trained.tasks == 4 and trained.failed == 0 and set(trained.components) == {"vowels", "short"}
     assert trained.latency_p50 > 0 and trained.latency_p95 >= trained.latency_p50 and trained.tokens_per_s > 0
     # Cost per 1,000 tasks by hand: $1 per million prompt tokens, $2 per million completion tokens.
