@@ -26,7 +26,7 @@ over every adapted module and the overall ratio; the exact per-token KL to the b
 held-out prompts along the model's greedy completions; forgetting, the rise in NLL per token of
 the reference answers of ``general_qa.jsonl`` (a task neither run trained on). Each as SFT/RL.
 
-    python benchmarks/sft_vs_rl_drift.py            # the full comparison (about 15 min on 2 quiet cores)
+    python benchmarks/sft_vs_rl_drift.py            # the full comparison (estimated 12-15 min on 2 quiet cores)
     python benchmarks/sft_vs_rl_drift.py --quick    # a smoke check: one step of each, small evals
 
 The last line is machine-readable:
