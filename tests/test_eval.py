@@ -10,7 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from grooves.cli import app
+from grooves.envs import load_env
+from grooves.policy import Policy
 from grooves.training.evals import Candidate, EvalConfig, evaluate_candidates, mean_se, percentile
+from grooves.training.store import RunStore
 from helpers import tiny_config
 
 runner = CliRunner()
@@ -34,6 +37,25 @@ def root(tmp_path_factory):
     return runs
 
 
+def noisy_copy(runs, name: str) -> str:
+    """A copy of the run whose step-2 adapter has every LoRA matrix replaced by noise."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from grooves.policy.checkpoints import MANIFEST
+
+    shutil.copytree(runs / RUN, runs / name)
+    checkpoint = runs / name / "checkpoints" / "step-0002"
+    (checkpoint / MANIFEST).unlink()  # its hashes are of the real adapter; without it: a plain, older checkpoint
+    path = checkpoint / "adapter" / "adapter_model.safetensors"
+    generator = torch.Generator().manual_seed(0)
+    save_file({key: torch.randn(t.shape, generator=generator) * 0.5 for key, t in load_file(str(path)).items()},
+              str(path))
+    return name
+
+
 def heldout_reward(runs, step: int) -> float:
     rows = [json.loads(line) for line in (runs / RUN / "metrics.jsonl").read_text().splitlines()]
     return next(r["val/reward/total"] for r in rows if r["step"] == step and "val/reward/total" in r)
@@ -47,6 +69,23 @@ def test_local_candidates_match_the_runs_heldout_metrics(root):
     assert base.reward == pytest.approx(heldout_reward(root, 0))  # step 0 validates the untrained base
     assert trained.reward == pytest.approx(heldout_reward(root, 2))
     assert merged.reward == pytest.approx(trained.reward, abs=1e-6)
+    # Task by task, the answers and rewards `grooves review tiny-run --split val` shows for steps 0 and 2.
+    store = RunStore(root / RUN)
+    try:
+        for result, step in ((base, 0), (trained, 2)):
+            stored = {r.task_id: r.trajectory for r in store.trajectory_records("val", [step])}
+            answers = {s["task_id"]: s["completion"] for s in result.samples}
+            assert answers == {task_id: t.completion for task_id, t in stored.items()}
+            assert [s["reward"] for s in result.samples] == pytest.approx([stored[s["task_id"]].reward
+                                                                           for s in result.samples])
+    finally:
+        store.close()
+    # Two tiny steps leave the greedy answers as they were (base and trained agree above), so that
+    # the adapter is really applied is checked on a copy of the run whose adapter is noise instead.
+    noisy = noisy_copy(root, "noisy")
+    (moved,) = evaluate_candidates(EvalConfig(run=RUN, latency_tasks=1, candidates=[
+        Candidate(name="noisy", model=f"{noisy}@2")]), runs=root)
+    assert [s["completion"] for s in moved.samples] != [s["completion"] for s in trained.samples]
     assert trained.tasks == 4 and trained.failed == 0 and set(trained.components) == {"vowels", "short"}
     assert trained.latency_p50 > 0 and trained.latency_p95 >= trained.latency_p50 and trained.tokens_per_s > 0
     # Cost per 1,000 tasks by hand: $1 per million prompt tokens, $2 per million completion tokens.
@@ -100,3 +139,92 @@ def test_bad_configs_exit_2_with_a_message(tmp_path, body, message):
     path.write_text(body)
     result = runner.invoke(app, ["eval", str(path), "--runs", str(tmp_path / "runs")])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+ENV_RUN = '''
+name = "shop"
+seed = 0
+[model]
+spec = "tiny"
+[env]
+name = "{env}:Shop"
+train_tasks = 2
+heldout_tasks = 2
+[sampling]
+max_completion_length = 64
+[log]
+val_size = 2
+tensorboard = false
+'''
+
+
+@pytest.fixture(scope="module")
+def shop_server(tmp_path_factory):
+    """A live grooves serve of the tiny base on 127.0.0.1, and a run config of an env task set on it:
+    the shop env docs/envs.md prints (a price tool, 3 turns). The built-in envs' prompts alone (tools
+    and all) fill most of the tiny model's 2,048-token context in its byte-level tokens, and the
+    server refuses a request past it, so a multi-turn rollout of theirs cannot run on it."""
+    from grooves.serve.app import ServerThread, build_server, create_app
+    from test_env_files import doc_env
+
+    folder = tmp_path_factory.mktemp("env-eval")
+    (folder / "my_env.py").write_text(doc_env())
+    (folder / "run.toml").write_text(ENV_RUN.format(env=folder / "my_env.py"))
+    server = build_server("tiny", runs=folder / "runs")
+    try:
+        with ServerThread(create_app(server)) as thread:
+            yield folder, thread.base_url
+    finally:
+        server.engine.halt()
+
+
+def test_an_endpoint_candidate_on_env_tasks_scores_as_the_local_model(shop_server):
+    """Env tasks through the endpoint's chat API with the env's tools: the same model, greedy, scores
+    as it does in this process (each sample the same env scores, turns and ending)."""
+    folder, url = shop_server
+    cfg = EvalConfig(config="run.toml", latency_tasks=1, candidates=[
+        Candidate(name="local", model="base"), Candidate(name="served", model="tiny", endpoint=url, price_out=1.0)])
+    local, served = evaluate_candidates(cfg, folder, runs=folder / "runs")
+    assert served.kind == "endpoint" and served.tasks == local.tasks == 2 and served.failed == 0
+    assert served.reward == pytest.approx(local.reward, abs=1e-6) and served.success == local.success
+    assert set(served.components) == set(local.components) == {"correct", "looked_up"}
+    for mine, theirs in zip(local.samples, served.samples):
+        assert (theirs["env_scores"], theirs["turns"], theirs["finish"], theirs["completion"]) == (
+            mine["env_scores"], mine["turns"], mine["finish"], mine["completion"])
+    assert served.prompt_tokens > 0 and served.completion_tokens > 0
+    assert served.cost_per_1k == pytest.approx(1000 * served.completion_tokens / 1e6)
+
+
+def test_an_endpoint_candidate_runs_multi_turn_tool_calls(shop_server):
+    """tool_choice = "required": every turn of the tiny model through the endpoint is a structured tool
+    call; the env runs it and its result goes back in the next request, turn after turn, up to the
+    env's 3 turns (the shop's answer is a text turn, which "required" rules out)."""
+    folder, url = shop_server
+    cfg = EvalConfig(config="run.toml", candidates=[
+        Candidate(name="served", model="tiny", endpoint=url, tool_choice="required")])
+    (served,) = evaluate_candidates(cfg, folder, runs=folder / "runs")
+    for sample in served.samples:
+        assert sample["tool_calls"] >= sample["turns"] == 3 and sample["finish"] == "max_turns"
+    # billed per request: every turn's prompt (the whole conversation so far, at least the first
+    # prompt) counts, so a task's prompt tokens are more than 3 times its first prompt
+    env, policy = load_env(f"{folder / 'my_env.py'}:Shop"), Policy.load("tiny")
+    first = [len(policy.chat_ids(env.prompt(t), tools=env.tool_schemas())) for t in env.tasks("heldout")]
+    assert served.prompt_tokens > 3 * sum(first) / len(first)
+
+
+def test_tool_choice_is_checked():
+    with pytest.raises(ValueError, match="tool_choice"):
+        Candidate(name="x", model="m", endpoint="http://127.0.0.1:1/v1", tool_choice="always")
+
+
+def test_conversation_messages_as_the_api_takes_them():
+    from grooves.training.evals import _wire
+
+    call = {"id": "call_1_0", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+    assert _wire({"role": "assistant", "content": "", "raw": "<tool_call>...", "tool_calls": [call]}) == {
+        "role": "assistant", "content": "", "tool_calls": [call]}
+    assert _wire({"role": "tool", "tool_call_id": "call_1_0", "name": "search", "content": "[]"}) == {
+        "role": "tool", "tool_call_id": "call_1_0", "content": "[]"}
+    # an env error that answers no call (a malformed one) cannot be a tool message
+    assert _wire({"role": "tool", "name": "error", "content": "error: bad JSON"}) == {
+        "role": "user", "content": "error: bad JSON"}

@@ -14,17 +14,21 @@ Latency is per task, one request at a time: local candidates answer the first
 does); endpoint candidates are timed on every task. ``tokens/s`` is completion tokens over
 latency. Tokens per 1,000 tasks are the mean prompt plus completion tokens, times 1,000;
 the cost per 1,000 tasks applies the candidate's prices to them (none given: no cost).
+
+Env (tool) tasks behind an endpoint run turn by turn through its chat API with the env's tools
+(``_endpoint_rollout``); their tokens are what the endpoint bills, every turn's prompt included.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -34,7 +38,7 @@ BASE = "base"
 
 
 class EvalError(ValueError):
-    """An evaluation that cannot run (no held-out tasks, an env behind an endpoint)."""
+    """An evaluation that cannot run (no held-out tasks, an endpoint that fails)."""
 
 
 class Candidate(BaseModel):
@@ -48,6 +52,9 @@ class Candidate(BaseModel):
     api_key_env: str | None = Field(None, description="Environment variable holding the endpoint's API key.")
     price_in: float | None = Field(None, ge=0, description="Dollars per million prompt tokens.")
     price_out: float | None = Field(None, ge=0, description="Dollars per million completion tokens.")
+    tool_choice: Literal["auto", "required", "none"] | None = Field(
+        None, description="With endpoint, on env tasks: the requests' tool_choice ('required': a call every turn, "
+        "for an env with an answer tool); default: the endpoint's own (auto).")
 
 
 class EvalConfig(BaseModel):
@@ -116,11 +123,8 @@ def run_config_of(cfg: EvalConfig, base_dir: Path, runs: str | Path | None):
 def evaluate_candidates(cfg: EvalConfig, base_dir: Path = Path("."), runs: str | Path | None = None,
                         progress=None) -> list[Result]:
     """Every candidate on the same held-out tasks; ``progress(text)`` hears what runs now."""
-    from grooves.training.api import task_sets
-
     run_config = run_config_of(cfg, base_dir, runs)
-    limit = cfg.limit or run_config.log.val_size
-    heldout = [(s, s.heldout[:limit]) for s in task_sets(run_config) if s.heldout]
+    heldout = heldout_tasks(run_config, cfg.limit)
     if not heldout:
         raise EvalError("the config has no held-out tasks (set tasks.heldout or tasks.heldout_fraction)")
     results = []
@@ -134,6 +138,29 @@ def evaluate_candidates(cfg: EvalConfig, base_dir: Path = Path("."), runs: str |
     return results
 
 
+def heldout_tasks(run_config, limit: int | None = None) -> list[tuple[Any, list]]:
+    """``(task set, its first ``limit`` held-out tasks)`` for every task set with held-out tasks
+    (``limit`` default: the config's ``log.val_size``, as validation uses)."""
+    from grooves.training.api import task_sets
+
+    limit = limit or run_config.log.val_size
+    return [(s, s.heldout[:limit]) for s in task_sets(run_config) if s.heldout]
+
+
+def heldout_groups(policy, run_config, heldout: list[tuple[Any, list]] | None = None) -> list[Group]:
+    """The held-out tasks answered by ``policy`` and scored, exactly as the training loop
+    validates (its tasks, reward, ``val_temperature`` and seed): the mean total is the
+    ``val/reward/total`` a run logs for this policy."""
+    from grooves.training.rollout import evaluate
+
+    sampling = _sampling(run_config)
+    groups = []
+    for task_set, tasks in heldout_tasks(run_config) if heldout is None else heldout:
+        groups += evaluate(policy, tasks, [task_set.render(t) for t in tasks], task_set.reward, sampling, 0,
+                           task_set.env).groups
+    return groups
+
+
 def _sampling(run_config):
     from grooves.policy import Sampling
 
@@ -144,16 +171,13 @@ def _sampling(run_config):
 
 def _local(candidate: Candidate, run_config, heldout, latency_tasks: int, runs) -> Result:
     from grooves.policy import Policy
-    from grooves.training.rollout import evaluate, rollout_groups
+    from grooves.training.rollout import rollout_groups
 
     spec = run_config.model.spec if candidate.model == BASE else candidate.model
     # seed: the random-weight "tiny" base is built from it; real models ignore it.
     policy = Policy.load(spec, dtype=run_config.model.dtype, seed=run_config.seed, runs=runs)
     sampling = _sampling(run_config)
-    groups = []
-    for task_set, tasks in heldout:
-        groups += evaluate(policy, tasks, [task_set.render(t) for t in tasks], task_set.reward, sampling, 0,
-                           task_set.env).groups
+    groups = heldout_groups(policy, run_config, heldout)
     latencies, speeds = [], []
     timed = [(ts, t) for ts, tasks in heldout for t in tasks][:latency_tasks]
     for task_set, task in timed:
@@ -169,9 +193,6 @@ def _local(candidate: Candidate, run_config, heldout, latency_tasks: int, runs) 
 def _endpoint(candidate: Candidate, run_config, heldout) -> Result:
     from openai import OpenAI, OpenAIError
 
-    if any(task_set.env is not None for task_set, _ in heldout):
-        raise EvalError(f"candidate {candidate.name}: env tasks need the model in this process; an endpoint "
-                        "cannot run their tools here")
     key = os.environ.get(candidate.api_key_env, "") if candidate.api_key_env else ""
     client = OpenAI(base_url=candidate.endpoint, api_key=key or "none", max_retries=1, timeout=600)
     sampling = _sampling(run_config)
@@ -179,28 +200,90 @@ def _endpoint(candidate: Candidate, run_config, heldout) -> Result:
     for task_set, tasks in heldout:
         scored = []
         for task in tasks:
-            messages = task_set.render(task)
             start = time.perf_counter()
             try:
-                reply = client.chat.completions.create(
-                    model=candidate.model, messages=messages, temperature=sampling.temperature,
-                    top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
-                    seed=sampling.seed)
+                if task_set.env is None:
+                    trajectory, used = _endpoint_answer(client, candidate, task_set.render(task), sampling)
+                else:
+                    trajectory, used = _endpoint_rollout(client, candidate, task_set.env, task, sampling)
             except OpenAIError as error:
                 raise EvalError(f"candidate {candidate.name} at {candidate.endpoint}: {error}") from None
             seconds = time.perf_counter() - start
-            choice, usage = reply.choices[0], reply.usage
-            used = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
             latencies.append(seconds)
             speeds.append(used[1] / seconds)
             tokens.append(used)
-            text = choice.message.content or ""
-            trajectory = Trajectory([*messages, {"role": "assistant", "content": text}], [], [], [], [],
-                                    finish_reason="length" if choice.finish_reason == "length" else "stop")
             scored.append(Group(task=task, trajectories=[trajectory]))
         task_set.reward.score(scored)
         groups += scored
-    return _result(candidate, "endpoint", groups, latencies, speeds, tokens, False)
+    return _result(candidate, "endpoint", groups, latencies, speeds, tokens,
+                   any(ts.env is not None for ts, _ in heldout))
+
+
+def _create(client, candidate: Candidate, messages: list[dict], sampling, max_tokens: int, tools=None):
+    extra = {"tools": tools} if tools else {}
+    if tools and candidate.tool_choice is not None:
+        extra["tool_choice"] = candidate.tool_choice
+    reply = client.chat.completions.create(
+        model=candidate.model, messages=messages, temperature=sampling.temperature, top_p=sampling.top_p,
+        max_tokens=max_tokens, stop=list(sampling.stop) or None, seed=sampling.seed, **extra)
+    usage = reply.usage
+    return reply.choices[0], (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
+
+
+def _endpoint_answer(client, candidate: Candidate, messages: list[dict], sampling) -> tuple[Trajectory, tuple]:
+    """A single-turn task: one chat completion, scored like a local completion (no token ids)."""
+    choice, used = _create(client, candidate, messages, sampling, sampling.max_new_tokens)
+    trajectory = Trajectory([*messages, {"role": "assistant", "content": choice.message.content or ""}], [], [], [],
+                            [], finish_reason="length" if choice.finish_reason == "length" else "stop")
+    return trajectory, used
+
+
+def _endpoint_rollout(client, candidate: Candidate, env, task, sampling) -> tuple[Trajectory, tuple]:
+    """An env task through the endpoint's chat API with the env's tools: each model turn is one
+    chat completion of the conversation so far; its tool calls (the endpoint's ``tool_calls``, or
+    calls left in its text) go to the env as the text the env parses, so the env runs, checks and
+    counts them exactly as in a local rollout. The same limits apply: ``max_completion_length``
+    tokens per turn, ``env.max_turns`` turns and ``env.max_tokens`` generated tokens (the
+    endpoint's ``usage``). Tokens are what the endpoint bills: every turn's prompt and completion."""
+    from grooves.envs.rollout import trajectory
+    from grooves.policy.tools import tool_call_text
+
+    tools = env.tool_schemas() or None
+    state = env.reset(task)  # the world a local validation rollout meets (env_groups' seed 0)
+    prompt = completion = 0
+    try:
+        while not env.is_done(state):
+            budget = max(1, min(sampling.max_new_tokens, env.max_tokens - completion))
+            choice, (p, c) = _create(client, candidate, [_wire(m) for m in state.messages], sampling, budget, tools)
+            prompt, completion = prompt + p, completion + c
+            calls = "".join(tool_call_text(call.model_dump()) for call in choice.message.tool_calls or [])
+            text = "\n".join(part for part in (choice.message.content or "", calls) if part)
+            if choice.finish_reason == "length" and completion >= env.max_tokens:  # cut: no answer to read
+                state.turns += 1
+                state.messages.append({"role": "assistant", "content": text, "raw": text})
+                env.finish(state, None, "max_tokens")
+                break
+            asyncio.run(env.respond(state, text))
+            if env.is_done(state):
+                break
+            if completion >= env.max_tokens:
+                env.finish(state, None, "max_tokens")
+            elif state.turns >= env.max_turns:
+                env.finish(state, None, "max_turns")
+        return trajectory(env, state), (prompt, completion)
+    finally:
+        env.close(state)
+
+
+def _wire(message: dict) -> dict:
+    """A conversation message as OpenAI's API takes it: without grooves' ``raw`` text; an env
+    error that answers no call (a malformed one) goes back as a user message, since a ``tool``
+    message must answer a call id (and carries nothing else)."""
+    if message.get("role") == "tool":
+        if not message.get("tool_call_id"):
+            return {"role": "user", "content": message.get("content") or ""}
+        return {"role": "tool", "tool_call_id": message["tool_call_id"], "content": message.get("content") or ""}
+    return {k: v for k, v in message.items() if k != "raw"}
 
 
 def _result(candidate: Candidate, kind: str, groups: list[Group], latencies: list[float], speeds: list[float],
@@ -222,8 +305,18 @@ def _result(candidate: Candidate, kind: str, groups: list[Group], latencies: lis
                   {name: mean_se([t.components.get(name, math.nan) for t in trajectories]) for name in names},
                   success, sum(math.isnan(v) for v in totals), percentile(latencies, 50), percentile(latencies, 95),
                   statistics.fmean(speeds) if speeds else None, prompt, completion, cost,
-                  [{"task_id": str(g.task.get("id")), "completion": t.completion,
-                    "reward": None if math.isnan(t.reward) else t.reward} for g in groups for t in g.trajectories])
+                  [_sample(g, t) for g in groups for t in g.trajectories])
+
+
+def _sample(group: Group, t: Trajectory) -> dict[str, Any]:
+    """What eval.json keeps of one answer: the reply, its reward and, for an env task, how it went."""
+    sample = {"task_id": str(group.task.get("id")), "completion": t.completion,
+              "reward": None if math.isnan(t.reward) else t.reward}
+    if "env_scores" in t.metadata:
+        state = t.metadata["state"]
+        sample.update(env_scores=t.metadata["env_scores"], turns=state["turns"], finish=state["finish"],
+                      tool_calls=state["counters"].get("tool_calls", 0))
+    return sample
 
 
 def mean_se(values: list[float]) -> tuple[float | None, float | None]:
