@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -38,6 +39,10 @@ def train(
     ack: Annotated[list[str] | None, typer.Option("--ack", help="With --resume: accept the alerts of this "
                                                   "detector (e.g. collapse); they only warn from now on. "
                                                   "Repeatable.")] = None,
+    ray: Annotated[str | None, typer.Option("--ray", is_flag=False, flag_value="local", metavar="[ADDRESS]",
+                                            help="Sample on Ray rollout workers (the ray table of the config): "
+                                            "alone, a local Ray instance (or the table's address); with ADDRESS (HOST:PORT of "
+                                            "`ray start --head`, or 'auto'), that cluster. See docs/scale.md.")] = None,
 ) -> None:
     """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder.
 
@@ -57,6 +62,8 @@ def train(
         cfg = load_config(config)
         if steps is not None:
             cfg.steps = steps
+        if ray is not None:
+            cfg.ray = _ray_config(cfg.ray, ray)
     except ConfigError as error:
         raise _fail(f"invalid config {config}:\n{error}") from None
     from grooves.training.api import run_config
@@ -70,7 +77,9 @@ def train(
         raise _fail(f"--ack {', '.join(unknown)}: not a detector; allowed: {', '.join(d.name for d in DETECTORS)}")
     try:
         run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet, acknowledge=tuple(ack or ()),
-                         resume_command=_resume_command("train", config, out_dir=out_dir, runs=runs), console=out)
+                         resume_command=_resume_command("train", config, out_dir=out_dir, runs=runs)
+                         + ("" if ray is None else " --ray" + ("" if ray == "local" else f" {shlex.quote(ray)}")),
+                         console=out)
     except _user_errors() as error:
         raise _fail(str(error)) from None
     except KeyboardInterrupt:  # before the loop took over Ctrl-C, or a second Ctrl-C: nothing more saved
@@ -80,6 +89,14 @@ def train(
     out.print(f"[bold]{run.name}[/]: step {run.step}, reward {num(last.get('reward/total'))}; "
               f"checkpoint {run.name}@latest in {run.dir}", highlight=False, soft_wrap=True)
     _exit_for(run)
+
+
+def _ray_config(table, address: str):
+    """``--ray`` alone keeps the [ray] table's address (or starts a local Ray); ``--ray ADDRESS`` sets it."""
+    from grooves.training.config import RayConfig
+
+    table = table or RayConfig()
+    return table.model_copy(update={"address": table.address if address == "local" else address})
 
 
 def _resume_command(command: str, config: Path, *, out_dir: Path | None = None, runs: Path | None = None) -> str:
