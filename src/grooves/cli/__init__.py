@@ -39,9 +39,9 @@ def train(
     ack: Annotated[list[str] | None, typer.Option("--ack", help="With --resume: accept the alerts of this "
                                                   "detector (e.g. collapse); they only warn from now on. "
                                                   "Repeatable.")] = None,
-    ray: Annotated[str | None, typer.Option("--ray", is_flag=False, flag_value="local", metavar="[ADDRESS]",
+    ray: Annotated[str | None, typer.Option("--ray", metavar="[ADDRESS]",
                                             help="Sample on Ray rollout workers (the ray table of the config): "
-                                            "alone, a local Ray instance (or the table's address); with ADDRESS (HOST:PORT of "
+                                            "alone (or 'local'), a local Ray instance (or the table's address); with ADDRESS (HOST:PORT of "
                                             "`ray start --head`, or 'auto'), that cluster. See docs/scale.md.")] = None,
 ) -> None:
     """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder.
@@ -394,7 +394,20 @@ _register_groups()
 
 
 def main() -> None:
-    app()
+    import sys
+
+    app(args=optional_ray_address(sys.argv[1:]))
+
+
+def optional_ray_address(argv: list[str]) -> list[str]:
+    """``grooves train CONFIG --ray`` with no ADDRESS means a local Ray instance: Typer has no
+    options whose value may be left out, so a bare ``--ray`` gets the value ``local`` here."""
+    if not argv or argv[0] != "train" or "--ray" not in argv:
+        return argv
+    at = argv.index("--ray")
+    if at + 1 == len(argv) or argv[at + 1].startswith("-"):
+        return [*argv[: at + 1], "local", *argv[at + 1 :]]
+    return argv
 
 
 if __name__ == "__main__":
