@@ -109,9 +109,9 @@ class RayRollouts:
         self.actor = ray.remote(num_cpus=ray_config.cpus_per_worker,
                                 num_gpus=ray_config.gpus_per_worker)(RolloutWorker)
         self.args = (config, None if runs is None else str(runs), max(1, int(ray_config.cpus_per_worker)))
-        self.workers = [self._spawn() for _ in range(ray_config.workers)]
         self.version = 0
-        self.state_ref = None
+        self.state_ref = None  # the newest adapter weights in the object store
+        self.workers = [self._spawn() for _ in range(ray_config.workers)]
         self.replaced = 0  # workers replaced so far (rollout/workers_replaced)
         self.after_submit: Callable[[RayRollouts], None] | None = None  # tests kill a worker here
 
