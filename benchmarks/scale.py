@@ -17,6 +17,9 @@ difference. The last line is machine-readable:
     pip install -e '.[ray]'
     python benchmarks/scale.py                # the recorded setting (docs/benchmarks.md)
     python benchmarks/scale.py --quick        # a smoke check on the tiny random-weight model
+
+On 2 cores the sampler thread and the trainer thread each run torch's intra-op threads;
+``--async-threads 1`` gives each of them one (the other modes keep torch's default).
 """
 
 from __future__ import annotations
@@ -122,21 +125,24 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--heldout", type=int, default=32, help="held-out tasks scored after training")
     parser.add_argument("--judge-concurrency", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--async-threads", type=int, default=0, help="torch threads while the async run trains "
+                        "(each of its two threads, the sampler's and the trainer's, uses this many; 0 = torch's default, "
+                        "as for the other modes)")
     parser.add_argument("--no-ray", action="store_true", help="leave out the Ray mode (ray2_spm=nan)")
     args = parser.parse_args()
     args.model = "bundled:smollm2-135m-instruct"
     if args.quick:
         args.model, args.steps, args.group, args.max_new, args.heldout = "tiny", 3, 4, 8, 6
-    if args.threads:
-        torch.set_num_threads(args.threads)
     print(f"scale: {args.model}, {args.steps} steps of {args.tasks} tasks x {args.group} samples, "
           f"{args.max_new} new tokens, judge {JUDGE_DELAY_S * 1000:.0f} ms with {args.judge_concurrency} in "
-          f"flight, torch threads {torch.get_num_threads()}", flush=True)
+          f"flight, torch threads {torch.get_num_threads()} (async: {args.async_threads or 'the same'})", flush=True)
     with ServerThread(judge_app(JUDGE_DELAY_S)) as judge, tempfile.TemporaryDirectory() as folder:
         runs = Path(folder)
         sync_spm, sync_policy, task_set = train(args, judge.base_url, runs, "sync", k=0)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.async_threads or threads)
         async_spm, async_policy, _ = train(args, judge.base_url, runs, "async", k=1)
+        torch.set_num_threads(threads)
         ray2_spm = math.nan
         if not args.no_ray:
             import ray
