@@ -25,8 +25,15 @@ ray = pytest.importorskip("ray", reason="the ray extra (make test installs it)")
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             logging_level="warning")
+    for attempt in range(3):  # on a loaded machine Ray's raylet can miss its 30 s start-up window
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+                     logging_level="warning")
+            break
+        except Exception as error:  # noqa: BLE001 - Ray raises a plain Exception here
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(error):
+                raise
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
