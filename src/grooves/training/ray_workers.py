@@ -98,7 +98,7 @@ class RayRollouts:
         have = ray.cluster_resources().get("CPU", 0)
         if need > have:
             self.close()
-            raise ConfigError(f"ray.workers: {ray_config.workers} workers x {ray_config.cpus_per_worker} CPUs "
+            raise ConfigError(f"ray.workers: {ray_config.workers} workers x {ray_config.cpus_per_worker:g} CPUs "
                               f"need {need:g} CPUs; the Ray cluster has {have:g}")
         self.trainer_policy = policy
         self.policy = policy  # the driver's tokenizer measures prompt lengths
