@@ -52,6 +52,7 @@ class Trajectory:
     components: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    policy_version: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -41,6 +42,10 @@ def train(
     backend: Annotated[str | None, typer.Option("--backend", help="Sample and train on this Tinker-compatible "
                                                 "service (its URL; the API key from $TINKER_API_KEY), as "
                                                 "[backend] url does; rewards and monitors stay here.")] = None,
+    ray: Annotated[str | None, typer.Option("--ray", metavar="[ADDRESS]",
+                                            help="Sample on Ray rollout workers (the ray table of the config): "
+                                            "alone (or 'local'), a local Ray instance (or the table's address); with ADDRESS (HOST:PORT of "
+                                            "`ray start --head`, or 'auto'), that cluster. See docs/scale.md.")] = None,
 ) -> None:
     """RL-train a LoRA adapter as CONFIG describes; checkpoints go to the run folder.
 
@@ -62,6 +67,8 @@ def train(
             cfg.steps = steps
         if backend is not None:
             cfg.backend = {**(cfg.backend.model_dump() if cfg.backend else {}), "url": backend}
+        if ray is not None:
+            cfg.ray = _ray_config(cfg.ray, ray)
     except (ConfigError, ValueError) as error:
         raise _fail(f"invalid config {config}:\n{error}") from None
     from grooves.training.api import run_config
@@ -76,8 +83,9 @@ def train(
     policy = _remote_policy(cfg, resume) if cfg.backend is not None else None
     try:
         run = run_config(cfg, runs=runs, out=out_dir, resume=resume, progress=not quiet, acknowledge=tuple(ack or ()),
-                         resume_command=_resume_command("train", config, out_dir=out_dir, runs=runs), console=out,
-                         policy=policy)
+                         resume_command=_resume_command("train", config, out_dir=out_dir, runs=runs)
+                         + ("" if ray is None else " --ray" + ("" if ray == "local" else f" {shlex.quote(ray)}")),
+                         console=out, policy=policy)
     except _user_errors() as error:
         raise _fail(str(error)) from None
     except KeyboardInterrupt:  # before the loop took over Ctrl-C, or a second Ctrl-C: nothing more saved
@@ -111,6 +119,14 @@ def _remote_policy(cfg, resume: bool):
     except Exception as error:  # the SDK's connection, auth and refusal errors: say which service said what
         raise _fail(f"backend.url: the service at {url} could not start a training client: "
                     f"{type(error).__name__}: {error}") from None
+
+
+def _ray_config(table, address: str):
+    """``--ray`` alone keeps the [ray] table's address (or starts a local Ray); ``--ray ADDRESS`` sets it."""
+    from grooves.training.config import RayConfig
+
+    table = table or RayConfig()
+    return table.model_copy(update={"address": table.address if address == "local" else address})
 
 
 def _resume_command(command: str, config: Path, *, out_dir: Path | None = None, runs: Path | None = None) -> str:
@@ -408,7 +424,20 @@ _register_groups()
 
 
 def main() -> None:
-    app()
+    import sys
+
+    app(args=optional_ray_address(sys.argv[1:]))
+
+
+def optional_ray_address(argv: list[str]) -> list[str]:
+    """``grooves train CONFIG --ray`` with no ADDRESS means a local Ray instance: Typer has no
+    options whose value may be left out, so a bare ``--ray`` gets the value ``local`` here."""
+    if not argv or argv[0] != "train" or "--ray" not in argv:
+        return argv
+    at = argv.index("--ray")
+    if at + 1 == len(argv) or argv[at + 1].startswith("-"):
+        return [*argv[: at + 1], "local", *argv[at + 1 :]]
+    return argv
 
 
 if __name__ == "__main__":

@@ -112,6 +112,11 @@ class TrainConfig(_Section):
                                "forward (same numbers as the plain path, fewer tokens).")
     max_staleness: int | None = Field(None, ge=0, description="Leave out (and count) trajectories sampled "
                                       "more than this many updates ago (metadata policy_step); None = keep all.")
+    max_off_policy_steps: int = Field(0, ge=0, description="Asynchronous pipeline: sampling runs up to this "
+                                      "many updates ahead of training (k), so the rollouts of the next step overlap "
+                                      "the current update; each trajectory records the adapter version that sampled "
+                                      "it, and ones more than k updates old are left out and counted "
+                                      "(rollout/dropped_stale). 0 = the synchronous loop. See docs/scale.md.")
     max_failed_steps: int = Field(3, ge=0, description="End the run (exit code 1) after this many steps in a "
                                   "row that trained nothing because every reward failed or the reward statistics "
                                   "were not finite; 0 = never.")
@@ -132,6 +137,17 @@ class LogConfig(RunLogConfig):
     kl_every: int = Field(10, ge=0, description="Log `kl` to the base model every N steps even when beta = 0 "
                           "(one extra forward pass without gradient, about a tenth of a CPU step); 0 = only "
                           "when beta > 0.")
+
+
+class RayConfig(_Section):
+    """Rollouts on Ray workers (``grooves train CONFIG --ray [ADDRESS]``); see docs/scale.md."""
+
+    address: str | None = Field(None, description="A running cluster ('HOST:PORT' of `ray start --head`, or "
+                                "'auto'); None = start a local Ray instance on this machine.")
+    workers: int = Field(2, ge=1, description="Rollout workers (Ray actors), each with a sampler copy of the "
+                         "policy, the task sets and the reward components.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves for each worker (its torch threads).")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs Ray reserves for each worker (0 = sample on CPU).")
 
 
 Action = Literal["warn", "pause", "stop"]
@@ -190,6 +206,8 @@ class RunConfig(_Section):
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
     backend: BackendConfig | None = Field(None, description="Sample and train on a Tinker-compatible service "
                                           "([backend]); rewards, judges and monitors stay local.")
+    ray: RayConfig | None = Field(None, description="Sample on Ray workers ([ray]; or `grooves train --ray`); "
+                                  "None = in this process.")
 
     @field_validator("name")
     @classmethod
@@ -278,6 +296,7 @@ def config_reference() -> str:
         (f"[{name}]", field.annotation, getattr(base, name)) for name, field in RunConfig.model_fields.items()
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)]
     sections.insert(len(sections) - 4, ("[env] (an agent environment instead of [tasks])", EnvConfig, None))
+    sections.append(("[ray] (rollouts on Ray workers; see docs/scale.md)", RayConfig, None))
     for name, field in MonitorsConfig.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             sections.append((f"[monitors.{name}]", field.annotation, getattr(base.monitors, name)))

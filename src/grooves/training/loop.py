@@ -4,6 +4,12 @@
 before its checkpoint is written, and a resume from the checkpoint at step k first drops
 records made after k, so a run killed at any moment resumes to the same result as a run
 that never stopped (same seed and config; on CPU the adapters match within 1e-5).
+
+Where the rollouts come from is a pipeline (``grooves.training.async_pipeline``): in this
+process or on Ray workers (``[ray]``), synchronously (``train.max_off_policy_steps = 0``) or up
+to k updates ahead of the trainer. Every trajectory records the adapter version that sampled it;
+each step logs ``rollout/policy_version``, ``rollout/staleness/mean|max`` and
+``rollout/dropped_stale``.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,8 +37,10 @@ from grooves.progress import Reporter
 from grooves.rewards.compose import RewardReport
 from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
+from grooves.training.async_pipeline import (AsyncPipeline, Batch, LocalRollouts, SyncPipeline, drop_after,
+                                             staleness_metrics)
 from grooves.training.config import ConfigError, RunConfig
-from grooves.training.rollout import Evaluation, completion_stats, evaluate, reward_metrics, rollout_groups
+from grooves.training.rollout import Evaluation, completion_stats, evaluate, reward_metrics
 from grooves.training.runfolder import GracefulStop, Run, begin, resume_point
 from grooves.training.runlock import RunLock
 from grooves.training.store import RunStore
@@ -68,7 +77,7 @@ class TrainingRun:
                                max_completion_length=max_length, total_steps=config.steps,
                                use_sampler_logprobs=config.train.use_sampler_logprobs,
                                share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
-                               max_staleness=config.train.max_staleness)
+                               max_staleness=drop_after(config.train))
         self.monitors = Monitors(config.monitors)
         self.acknowledged = set(acknowledge)  # detectors whose alerts only warn from now on
         self.stop_rule = stop_rule
@@ -76,6 +85,7 @@ class TrainingRun:
         self._prompt_lengths: dict[tuple[str, str], int] = {}
         self._reported_errors: set[tuple[str, str]] = set()
         self.evaluations: dict[int, Evaluation] = {}
+        self._sampling_lock = threading.Lock()  # validation never overlaps an async batch's sampling
         for task_set in task_sets:
             for warning in task_set.check():
                 self.console.print(f"[yellow]warning[/]: {escape(warning)}")
@@ -93,7 +103,9 @@ class TrainingRun:
     def _run(self) -> Run:
         start = self._open()
         step = start
+        self.pipeline = None
         try:
+            self.pipeline = self._pipeline(start)
             if start == 0 and self._has_heldout:
                 self._log(0, self._validate(0))
             with self.progress.counting(self.config.steps, done=start), GracefulStop(self.console) as stop:
@@ -113,6 +125,8 @@ class TrainingRun:
                         self._announce_halt(step)
                         break
         finally:
+            if self.pipeline is not None:
+                self.pipeline.close()
             self.sinks.close()
             self.store.close()
         run = Run(self.run_dir.name, self.run_dir, step, self.store.read_metrics(), self.evaluations)
@@ -120,10 +134,39 @@ class TrainingRun:
             run.halted_by, run.halt_reason = self._halt
         return run
 
+    def _pipeline(self, start: int):
+        """Sync or async, in this process or on Ray workers (see grooves.training.async_pipeline)."""
+        k = self.config.train.max_off_policy_steps
+        group_size = self.config.train.group_size
+        if self.config.ray is not None:
+            from grooves.training.ray_workers import RayRollouts
+
+            rollouts = RayRollouts(self.config, self.policy, self.sets, group_size, self.sampling, self.config.ray)
+        else:
+            rollouts = LocalRollouts(self.policy, self.sets, group_size, self.sampling, self.generator, copy=k > 0)
+        self.rollouts = rollouts
+        if k == 0:
+            if isinstance(rollouts, LocalRollouts):
+                rollouts.on_phase = lambda phase: self.progress.phase(phase, log=False)
+            return SyncPipeline(rollouts, self._produce, start)
+        return AsyncPipeline(rollouts, self._produce, start, k=k, first=start + 1, last=self.config.steps,
+                             lock=self._sampling_lock)
+
+    def _produce(self, step: int) -> Batch:
+        """Sample and score the batch of ``step``; note where the task draws stand after it."""
+        t0 = time.perf_counter()
+        kept, sampled, reports, rounds = self._collect(step)
+        position = {"tasks": self.mix.state(), "prompts_skipped": self.prompts_skipped,
+                    "generator": self.generator.get_state()}
+        return Batch(step, kept, sampled, reports, rounds, time.perf_counter() - t0, position)
+
     def _step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        kept, sampled, reports, rounds = self._collect()
-        sample_time = time.perf_counter() - t0
+        self.progress.phase("sampling", log=False)
+        batch = self.pipeline.take(step)
+        self.position = batch.position
+        kept, sampled, reports, rounds = batch.kept, batch.sampled, batch.reports, batch.rounds
+        sample_time = batch.sample_time
         metrics = self._reward_metrics(sampled, reports, "reward")
         metrics["completion_len"], metrics["train/truncated_ratio"] = completion_stats(sampled)
         metrics.update(env_metrics(sampled))
@@ -133,8 +176,14 @@ class TrainingRun:
         tokens = sum(len(t.completion_ids) for g in sampled for t in g.trajectories)
         metrics["train/sample_time"] = sample_time
         metrics["train/tokens_per_s"] = tokens / sample_time
+        metrics["train/wait_time"] = time.perf_counter() - t0  # sampling the update waited for
+        metrics.update(staleness_metrics(sampled, self.trainer.step))
         self.progress.phase("updating", log=False)
         metrics.update(self.trainer.train_step(kept))
+        self.pipeline.publish(self.trainer.step)
+        metrics["rollout/dropped_stale"] = metrics.get("train/trajectories_stale", 0.0)
+        if hasattr(self.rollouts, "replaced"):
+            metrics["rollout/workers_replaced"] = float(self.rollouts.replaced)
         self.store.record_groups(step, sampled)
         for name, report in reports.items():
             self._report_reward_errors(step, name, report)
@@ -209,7 +258,7 @@ class TrainingRun:
         else:
             self.console.print(f"[yellow]stopped[/] after step {step} (checkpoint saved): {escape(reason)}")
 
-    def _collect(self) -> tuple[list[Group], list[Group], dict[str, RewardReport], int]:
+    def _collect(self, step: int) -> tuple[list[Group], list[Group], dict[str, RewardReport], int]:
         """Sample and score groups; with dynamic sampling keep only groups with reward variance."""
         alg = self.config.algorithm
         target = self.config.train.tasks_per_step
@@ -220,20 +269,7 @@ class TrainingRun:
         while True:
             rounds += 1
             drawn = self._take_tasks(target - len(kept) if alg.dynamic_sampling else target)
-            self.progress.phase("sampling", log=False)
-            groups = []
-            for task_set in self.sets:  # an env's tasks roll out with its tools, the others as one batch
-                own = [t for s, t in drawn if s is task_set]
-                if own:
-                    groups += rollout_groups(self.policy, own, [task_set.render(t) for t in own],
-                                             self.config.train.group_size, self.sampling, self.generator,
-                                             self.trainer.step, task_set.env)
-                    for group in groups[-len(own):]:
-                        group.metadata["task_set"] = task_set.name
-            self.progress.phase("rewarding", log=False)
-            for task_set in self.sets:
-                task_set.reward.score([g for g in groups if g.metadata["task_set"] == task_set.name],
-                                      reports[task_set.name])
+            groups = self.rollouts.rollout(drawn, step, rounds, reports)  # sampled and scored
             sampled.extend(groups)
             if not alg.dynamic_sampling:
                 return groups, sampled, reports, rounds
@@ -279,7 +315,7 @@ class TrainingRun:
     def _prompt_length(self, task_set: TaskSet, task: Task) -> int:
         key = (task_set.name, task["id"])
         if key not in self._prompt_lengths:
-            self._prompt_lengths[key] = len(self.policy.chat_ids(task_set.render(task)))
+            self._prompt_lengths[key] = len(self.rollouts.policy.chat_ids(task_set.render(task)))
         return self._prompt_lengths[key]
 
     @property
@@ -292,8 +328,9 @@ class TrainingRun:
         for task_set in self.sets:
             tasks = self.heldout[task_set.name]
             if tasks:
-                evaluation = evaluate(self.policy, tasks, [task_set.render(t) for t in tasks], task_set.reward,
-                                      self.val_sampling, step, task_set.env)
+                with self._sampling_lock:
+                    evaluation = evaluate(self.policy, tasks, [task_set.render(t) for t in tasks],
+                                          task_set.reward, self.val_sampling, step, task_set.env)
                 for group in evaluation.groups:
                     group.metadata["task_set"] = task_set.name
                 groups += evaluation.groups
@@ -332,18 +369,24 @@ class TrainingRun:
                                f"starting it over from step 0")
             self.store.truncate_after(-1)
         self.sinks = begin(self.store, self.config, start)
+        self.position = {"tasks": self.mix.state(), "prompts_skipped": self.prompts_skipped,
+                         "generator": self.generator.get_state()}
         return start
 
     def _save(self, step: int) -> None:
         self.progress.phase("saving", log=False)
-        ckpt.save_checkpoint(self.run_dir, step, self.policy, self.trainer.state_dict(), self.generator,
-                             {"tasks": self.mix.state(), "prompts_skipped": self.prompts_skipped,
+        # The task draws and sampling RNG as they stood after this step's batch (an async
+        # pipeline has drawn further; a resume draws those tasks again).
+        generator = torch.Generator(device=self.generator.device)
+        generator.set_state(self.position["generator"])
+        ckpt.save_checkpoint(self.run_dir, step, self.policy, self.trainer.state_dict(), generator,
+                             {"tasks": self.position["tasks"], "prompts_skipped": self.position["prompts_skipped"],
                               "run": self.run_dir.name, "monitors": self.monitors.state_dict(),
                               "acknowledged": sorted(self.acknowledged), "failed_steps": self.failed_steps})
         ckpt.prune(self.run_dir, self.config.log.keep_checkpoints)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
-        metrics["train/prompts_skipped"] = float(self.prompts_skipped)
+        metrics["train/prompts_skipped"] = float(self.position["prompts_skipped"])
         self.store.log_metrics(step, metrics)
         self.sinks.log(step, metrics)
 

@@ -20,9 +20,14 @@ from grooves.types import Group, Message, Task, Trajectory
 def rollout_groups(policy: Policy, tasks: list[Task], prompts: list[list[Message]], n: int,
                    sampling: Sampling, generator: torch.Generator | None, policy_step: int,
                    env: Env | None = None) -> list[Group]:
+    """``n`` rollouts of each task; every trajectory records ``policy_step`` as its ``policy_version``
+    (the number of updates behind the adapter that sampled it) and in ``metadata["policy_step"]``."""
     if env is not None:
         generate = sampler_generate(policy, sampling.temperature, sampling.top_p, generator)
-        return env_groups(policy, env, tasks, n, generate, sampling.max_new_tokens, policy_step)
+        groups = env_groups(policy, env, tasks, n, generate, sampling.max_new_tokens, policy_step)
+        for trajectory in (t for g in groups for t in g.trajectories):
+            trajectory.policy_version = policy_step
+        return groups
     completions = policy.sampler().generate(prompts, n=n, sampling=sampling, generator=generator)
     groups = []
     for task, prompt, samples in zip(tasks, prompts, completions):
@@ -32,7 +37,7 @@ def rollout_groups(policy: Policy, tasks: list[Task], prompts: list[list[Message
                 prompt_ids=c.prompt_ids, completion_ids=c.token_ids,
                 completion_mask=[1] * len(c.token_ids), logprobs=c.logprobs,
                 finish_reason=c.finish_reason,
-                metadata={"task_id": task["id"], "policy_step": policy_step},
+                metadata={"task_id": task["id"], "policy_step": policy_step}, policy_version=policy_step,
             )
             for c in samples
         ]

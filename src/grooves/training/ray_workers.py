@@ -1,0 +1,186 @@
+"""Rollout workers on Ray (``grooves train CONFIG --ray [ADDRESS]``, the ``[ray]`` table).
+
+Each worker is a Ray actor holding a sampler copy of the policy (the base model loaded as the
+config says, plus a LoRA adapter), the run's task sets and their reward components (envs,
+judges, verifiers). The driver keeps the trainer, the run folder and the task order: it draws a
+step's tasks, sends one task per call to the workers round robin, and gathers the scored groups
+in the order the tasks were drawn. After each update only the adapter's weights go to the
+workers, once through the object store (``ray.put``), with the version they carry; a worker
+stamps every trajectory with the version it sampled from.
+
+The trainer stays in the driver rather than in an actor of its own: the run folder, the SQLite
+store and the checkpoints are files the driver writes, and a trainer actor would ship the
+adapter and optimizer state back for every checkpoint. On a cluster, start the head (and the
+driver) on the machine with the GPU.
+
+Each task's sampling seed depends only on (run seed, step, sampling round, position), not on
+the worker, so a task re-run after its worker died samples the same completions from the same
+weights. A worker that dies (``RayActorError``) is replaced by a fresh actor that loads the
+newest weights, and only the calls that did not return are sent again: no group is lost or
+counted twice.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from grooves.policy.sampler import Sampling
+from grooves.rewards.compose import RewardReport
+from grooves.training.async_pipeline import adapter_state, load_adapter_state, merge_report
+from grooves.training.config import ConfigError, RayConfig, RunConfig
+from grooves.types import Group
+
+
+def import_ray():
+    """Ray, imported on first use: it is an optional extra."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("ray: Ray is not installed; install it with: pip install 'grooves[ray]'") from None
+    return ray
+
+
+class RolloutWorker:
+    """One Ray actor's state: a sampler copy of the policy, the task sets and their rewards."""
+
+    def __init__(self, config: RunConfig, runs: str | None, threads: int):
+        from grooves.training.api import load_policy, share_backbones, task_sets
+
+        torch.set_num_threads(max(1, threads))
+        self.sets = task_sets(config)
+        self.policy = load_policy(config, runs)
+        share_backbones(self.sets, self.policy)
+        self.version: int | None = None
+
+    def load(self, state: dict[str, torch.Tensor], version: int) -> int:
+        load_adapter_state(self.policy, state)
+        self.version = version
+        return version
+
+    def rollout(self, set_index: int, task: dict, n: int, sampling: Sampling, seed: int) -> tuple:
+        from grooves.training.rollout import rollout_groups
+
+        task_set = self.sets[set_index]
+        generator = torch.Generator(device=self.policy.device).manual_seed(seed)
+        groups = rollout_groups(self.policy, [task], [task_set.render(task)], n, sampling, generator,
+                                self.version, task_set.env)
+        for group in groups:
+            group.metadata["task_set"] = task_set.name
+        report = RewardReport()
+        task_set.reward.score(groups, report)
+        return groups, report
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+class RayRollouts:
+    """The rollouts backend of a Ray run (see ``grooves.training.async_pipeline``)."""
+
+    def __init__(self, config: RunConfig, policy, sets: list, group_size: int, sampling: Sampling,
+                 ray_config: RayConfig, runs: str | Path | None = None):
+        ray = self.ray = import_ray()
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            try:
+                ray.init(address=ray_config.address, include_dashboard=False, logging_level="warning",
+                         log_to_driver=False)
+            except ConnectionError as error:
+                raise ConfigError(f"ray.address: cannot connect to a Ray cluster at "
+                                  f"{ray_config.address!r} ({error})") from None
+        need = ray_config.workers * ray_config.cpus_per_worker
+        have = ray.cluster_resources().get("CPU", 0)
+        if need > have:
+            self.close()
+            raise ConfigError(f"ray.workers: {ray_config.workers} workers x {ray_config.cpus_per_worker:g} CPUs "
+                              f"need {need:g} CPUs; the Ray cluster has {have:g}")
+        self.trainer_policy = policy
+        self.policy = policy  # the driver's tokenizer measures prompt lengths
+        self.sets = sets
+        self.group_size = group_size
+        self.sampling = sampling
+        self.seed = config.seed
+        self.actor = ray.remote(num_cpus=ray_config.cpus_per_worker,
+                                num_gpus=ray_config.gpus_per_worker)(RolloutWorker)
+        self.args = (config, None if runs is None else str(runs), max(1, int(ray_config.cpus_per_worker)))
+        self.version = 0
+        self.state_ref = None  # the newest adapter weights in the object store
+        self.workers = [self._spawn() for _ in range(ray_config.workers)]
+        self.replaced = 0  # workers replaced so far (rollout/workers_replaced)
+        self.after_submit: Callable[[RayRollouts], None] | None = None  # tests kill a worker here
+
+    def _spawn(self):
+        worker = self.actor.remote(*self.args)
+        if self.state_ref is not None:
+            worker.load.remote(self.state_ref, self.version)
+        return worker
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return adapter_state(self.trainer_policy)
+
+    def apply(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Send the adapter's weights to every worker (once into the object store) and wait."""
+        self.version, self.state_ref = version, self.ray.put(state)
+
+        def submit(i: int):
+            return self.workers[i].load.remote(self.state_ref, version), i, self.workers[i]
+
+        self._gather({i: submit(i) for i in range(len(self.workers))}, submit)
+
+    def rollout(self, drawn: list[tuple], step: int, round_: int, reports: dict[str, RewardReport]) -> list[Group]:
+        """Groups for ``drawn`` (task set, task) pairs, one Ray call per task, gathered in order."""
+        index = {id(s): i for i, s in enumerate(self.sets)}
+        units = [(index[id(s)], t, self._seed(step, round_, j)) for j, (s, t) in enumerate(drawn)]
+
+        def submit(j: int):
+            set_index, task, seed = units[j]
+            slot = j % len(self.workers)
+            worker = self.workers[slot]
+            return worker.rollout.remote(set_index, task, self.group_size, self.sampling, seed), slot, worker
+
+        calls = {j: submit(j) for j in range(len(units))}
+        if self.after_submit is not None:
+            self.after_submit(self)
+        results = self._gather(calls, submit)
+        groups: list[Group] = []
+        for j in range(len(units)):
+            made, report = results[j]
+            merge_report(reports[self.sets[units[j][0]].name], report)
+            groups += made
+        return groups
+
+    def _gather(self, calls: dict, resubmit: Callable) -> dict:
+        """Results of ``calls`` (key -> (ref, slot, worker)) by key. A call whose worker died goes
+        again, to a fresh worker in the same slot; calls that returned are never sent again."""
+        errors = self.ray.exceptions
+        results, failures = {}, 0
+        while calls:
+            key, (ref, slot, worker) = next(iter(calls.items()))
+            try:
+                results[key] = self.ray.get(ref)
+                del calls[key]
+            except errors.RayActorError as error:
+                failures += 1
+                if failures > 3 * len(self.workers):
+                    raise RuntimeError(f"Ray rollout workers keep dying ({error}); giving up") from None
+                if self.workers[slot] is worker:  # the first of its calls to fail: replace it once
+                    self.workers[slot] = self._spawn()
+                    self.replaced += 1
+                calls[key] = resubmit(key)
+        return results
+
+    def _seed(self, step: int, round_: int, position: int) -> int:
+        return random.Random(f"{self.seed}:{step}:{round_}:{position}").getrandbits(63)
+
+    def close(self) -> None:
+        for worker in getattr(self, "workers", []):
+            self.ray.kill(worker)
+        self.workers = []
+        if self.owns_ray and self.ray.is_initialized():
+            self.ray.shutdown()
