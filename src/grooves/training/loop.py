@@ -67,7 +67,7 @@ class TrainingRun:
                                max_completion_length=max_length, total_steps=config.steps,
                                use_sampler_logprobs=config.train.use_sampler_logprobs,
                                share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
-                               max_staleness=config.train.max_staleness)
+                               max_staleness=config.train.max_staleness, minibatches=config.train.minibatches)
         self.monitors = Monitors(config.monitors)
         self.acknowledged = set(acknowledge)  # detectors whose alerts only warn from now on
         self.stop_rule = stop_rule
