@@ -104,6 +104,47 @@ def test_two_gloo_processes_give_the_one_process_update(tmp_path):
         assert any(not torch.equal(a, b) for a, b in zip(want_adapter, initial_adapter())), name  # it moved
 
 
+def test_grooves_train_under_torchrun_trains_like_one_process(tmp_path):
+    # `torchrun --nproc_per_node 2 -m grooves.cli train CONFIG`, started by hand: rank 0 samples, scores,
+    # logs and saves; rank 1 trains on its shard and writes nothing (its runs root stays absent).
+    import json
+
+    from helpers import tiny_config
+
+    config = tiny_config(tmp_path, steps=2)
+    # LoRA dropout draws its masks per process: with it the ranks agree with 1 process in expectation only
+    config.write_text(config.read_text().replace("dropout = 0.1", "dropout = 0.0"))
+    assert "dropout = 0.0" in config.read_text()
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "GROOVES_RUNS": str(tmp_path / f"runs{rank}")}
+        procs.append(subprocess.Popen([sys.executable, "-m", "grooves.cli", "train", str(config), "--quiet"],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    single = subprocess.run([sys.executable, "-m", "grooves.cli", "train", str(config), "--quiet"],
+                            env={**os.environ, "GROOVES_RUNS": str(tmp_path / "single")}, capture_output=True,
+                            text=True, timeout=900)
+    assert single.returncode == 0, single.stdout + single.stderr
+    for proc in procs:
+        output, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, output
+    assert not (tmp_path / "runs1").exists()
+
+    def rows(root):
+        lines = (root / "tiny-run" / "metrics.jsonl").read_text().splitlines()
+        return {row["step"]: row for row in map(json.loads, lines) if row.get("step", 0) >= 1}
+
+    ddp_rows, one_rows = rows(tmp_path / "runs0"), rows(tmp_path / "single")
+    first = ddp_rows[1], one_rows[1]  # the same samples (same seed, same adapter), so the same update
+    assert first[0]["reward/total"] == first[1]["reward/total"]
+    for key in ("loss/policy", "train/grad_norm"):  # absent on both when the step had nothing to learn
+        got, want = first[0].get(key), first[1].get(key)
+        assert (got is None) == (want is None), key
+        assert got is None or abs(got - want) <= 1e-5 + 1e-4 * abs(want), key
+    assert sorted(ddp_rows) == sorted(one_rows) == [1, 2]
+
+
 if __name__ == "__main__":  # one rank of the test above
     from grooves.training.ddp import init_from_env
 

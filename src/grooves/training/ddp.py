@@ -87,3 +87,33 @@ def init_from_env(backend: str | None = None) -> World | None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
         dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=size)
     return World.from_env()
+
+
+# --- the training loop under torchrun: rank 0 samples, scores, logs and saves; the others train ----
+
+
+def broadcast(obj=None):
+    """Rank 0's ``obj`` on every rank (pickled; the groups of a step are small)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def send_state(trainer) -> None:
+    """Rank 0: the adapter and the optimizer after ``_open`` (a fresh run, or a resumed checkpoint)."""
+    broadcast({"params": [p.detach().cpu() for p in trainer.params], "trainer": trainer.state_dict()})
+
+
+def follow(trainer) -> int:
+    """A rank other than 0: take rank 0's state, then train on each step's groups until rank 0 sends
+    None (the run ended, halted or failed). Returns the trainer's step."""
+    state = broadcast()
+    if state is None:
+        return trainer.step
+    with torch.no_grad():
+        for param, value in zip(trainer.params, state["params"]):
+            param.copy_(value.to(param.device))
+    trainer.load_state_dict(state["trainer"])
+    while (groups := broadcast()) is not None:
+        trainer.train_step(groups)
+    return trainer.step

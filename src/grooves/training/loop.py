@@ -30,6 +30,7 @@ from grooves.progress import Reporter
 from grooves.rewards.compose import RewardReport
 from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
+from grooves.training import ddp
 from grooves.training.config import ConfigError, RunConfig
 from grooves.training.rollout import Evaluation, completion_stats, evaluate, reward_metrics, rollout_groups
 from grooves.training.runfolder import GracefulStop, Run, begin, resume_point
@@ -63,11 +64,13 @@ class TrainingRun:
         self.generator = torch.Generator(device=policy.device).manual_seed(config.seed)
         # An agent's rollout spans turns: its length budget is the env's, not one turn's.
         max_length = max([s.max_completion_length] + [t.env.max_tokens for t in task_sets if t.env is not None])
+        self.world = ddp.init_from_env()  # under torchrun: rank 0 runs the loop, every rank trains
         self.trainer = Trainer(policy, config.algorithm, config.optim, temperature=s.temperature,
                                max_completion_length=max_length, total_steps=config.steps,
                                use_sampler_logprobs=config.train.use_sampler_logprobs,
                                share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
-                               max_staleness=config.train.max_staleness, minibatches=config.train.minibatches)
+                               max_staleness=config.train.max_staleness, minibatches=config.train.minibatches,
+                               world=self.world)
         self.monitors = Monitors(config.monitors)
         self.acknowledged = set(acknowledge)  # detectors whose alerts only warn from now on
         self.stop_rule = stop_rule
@@ -86,11 +89,19 @@ class TrainingRun:
     # --- the loop --------------------------------------------------------------------
 
     def run(self) -> Run:
-        with RunLock(self.run_dir):
-            return self._run()
+        if self.world is not None and not self.world.is_main:  # a DDP rank: train on rank 0's groups only
+            return Run(self.run_dir.name, self.run_dir, ddp.follow(self.trainer))
+        try:
+            with RunLock(self.run_dir):
+                return self._run()
+        finally:
+            if self.world is not None:
+                ddp.broadcast(None)  # the other ranks stop, whatever ended the run
 
     def _run(self) -> Run:
         start = self._open()
+        if self.world is not None:
+            ddp.send_state(self.trainer)
         step = start
         try:
             if start == 0 and self._has_heldout:
@@ -133,6 +144,8 @@ class TrainingRun:
         metrics["train/sample_time"] = sample_time
         metrics["train/tokens_per_s"] = tokens / sample_time
         self.progress.phase("updating", log=False)
+        if self.world is not None:
+            ddp.broadcast(kept)
         metrics.update(self.trainer.train_step(kept))
         self.store.record_groups(step, sampled)
         for name, report in reports.items():
