@@ -154,6 +154,19 @@ def test_doing_nothing_is_not_a_free_action_score(policy, env):
     env.close(state)
 
 
+def test_a_refusal_by_inaction_earns_no_action_credit(policy, env):
+    """What RL learned when a look-up was enough: find the customer, then break every call."""
+    refusal = task(env, "helpdesk-refuse_late-4-11")
+    broken = '<tool_call>{"name": "reply", "arguments": {"message\': "I cannot refund it."}}</tool_call>'
+    lazy = play(policy, env, refusal, [call("find_customer", query="Sara Patel")] + [broken] * 7)
+    assert lazy.finish == "max_turns" and env.changed_rows(lazy) == {} and env.score(lazy)["action"] == 0.0
+    env.close(lazy)
+    unread = play(policy, env, refusal, [call("find_customer", query="Sara Patel"),
+                                         call("reply", message="Sorry, I can't refund it.")])
+    assert env.score(unread)["action"] == 0.0  # the order was never opened: a guess, not a decision
+    env.close(unread)
+
+
 def test_an_address_change(policy, env):
     change = task(env, "helpdesk-address-2-address")
     assert change["prompt"].endswith("change my address to 92 Oak Street, Lakeside.")

@@ -21,8 +21,8 @@ The tools do not check the policy (the agent must), so refunding everything fail
 refusals, about 36% of the tasks. Customers whose id is a multiple of 5 are held out.
 
 Score components, each in [0, 1]: ``action`` (the database changed exactly as expected; a
-task without a change counts only once the customer was looked up, so doing nothing is not
-free), ``reply`` (share of the required facts in the final reply; 0 for a refund reply that
+task without a change counts only once the customer and the order meant were looked up and
+a reply was given, so doing nothing is not free), ``reply`` (share of the required facts in the final reply; 0 for a refund reply that
 also says it cannot refund), ``customer`` (find_customer found the asker), ``order``
 (get_order opened the order meant, divided by the distinct orders opened; for address tasks
 equal to ``customer``), ``format`` (share of tool calls that parsed, named a tool and had
@@ -322,7 +322,12 @@ class Helpdesk(SQLiteApp):
         expected = state.task["expected"]
         customer = float(expected["customer_id"] in state.data.get("customers", []))
         opened = set(state.data.get("orders", []))
-        action = self.changes(state) == expected["changes"] and (bool(expected["changes"]) or customer == 1.0)
+        # A task without a change is not won by inaction: the decision must be informed (the asker
+        # and the order meant were looked up) and told (a reply). RL found the gap when only the
+        # look-up was needed: it learned to find the customer, then break every call after it.
+        informed = customer == 1.0 and (expected["order_id"] is None or expected["order_id"] in opened)
+        action = self.changes(state) == expected["changes"] and (
+            bool(expected["changes"]) or (informed and bool((state.answer or "").strip())))
         answer = (state.answer or "").lower().replace("\u2019", "'")
         said = sum(any(word in answer for word in words) for words in expected["facts"]) / len(expected["facts"])
         calls = state.counters["tool_calls"] + state.counters["tool_errors/malformed"]

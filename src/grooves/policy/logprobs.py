@@ -39,6 +39,18 @@ class TokenBatch:
         return TokenBatch(*(t[rows] for t in (self.input_ids, self.starts, self.targets,
                                                 self.mask, self.sampler_logprobs)))
 
+    def trimmed(self) -> TokenBatch:
+        """The same rows cut after their last position with ``mask > 0``: a row's logits there
+        never depend on what follows (causal attention), so the columns after it are wasted work
+        (a short group padded to the longest completion of the batch, a final tool result)."""
+        trained = self.mask.any(dim=0).nonzero()
+        width = int(trained[-1]) + 1 if len(trained) else 1
+        if width == self.targets.shape[1]:
+            return self
+        end = int((self.starts + width).max())
+        return TokenBatch(self.input_ids[:, :end], self.starts, self.targets[:, :width],
+                          self.mask[:, :width], self.sampler_logprobs[:, :width])
+
     def chunks(self, size: int) -> list[torch.Tensor]:
         """Row indices in chunks of at most ``size`` rows that share one prompt."""
         by_prompt: dict[tuple[int, ...], list[int]] = {}

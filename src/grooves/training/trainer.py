@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from grooves.algorithms import AGGREGATIONS, ESTIMATORS, LOSSES, Algorithm, k3_kl, overlong_penalty
 from grooves.algorithms.losses import TINKER_LOSSES
@@ -143,10 +144,12 @@ class Trainer:
     # --- primitives ----------------------------------------------------------------
 
     def forward_backward(self, datums: list[Datum], loss_fn: str, config: LossConfig | None = None,
-                         *, backward: bool = True) -> ForwardBackwardOutput:
+                         *, backward: bool = True, loss_positions_only: bool = False) -> ForwardBackwardOutput:
         """Sum of ``weights * loss`` over every token of every datum; its gradient is *added* to the
         adapter's (call ``optim_step`` to apply it). ``loss_fn``: Tinker's ``cross_entropy``,
-        ``importance_sampling``, ``ppo``, ``cispo`` or grooves' ``ppo_clip``, ``gspo``."""
+        ``importance_sampling``, ``ppo``, ``cispo`` or grooves' ``ppo_clip``, ``gspo``.
+        ``loss_positions_only``: log-probs only where a weight is non-zero (0 elsewhere in the
+        output), which skips the output head on an agent's tool results and env text."""
         loss, eps_low, eps_high = _loss_fn(loss_fn, config := config or LossConfig())
         batch = DatumBatch.build(datums, self.policy.device)
         out = ForwardBackwardOutput(0.0, [torch.zeros(0)] * len(datums))
@@ -154,8 +157,9 @@ class Trainer:
         try:
             for rows in batch.tokens.chunks(self.optim.micro_batch_size):
                 micro = batch.select(rows)
+                tokens = replace(micro.tokens, mask=(micro.weights != 0).float()) if loss_positions_only else micro.tokens
                 with torch.set_grad_enabled(backward):
-                    logp, entropy = self._logprobs(micro.tokens, with_entropy=config.entropy, shifted=batch.shifted)
+                    logp, entropy = self._logprobs(tokens, with_entropy=config.entropy, shifted=batch.shifted)
                     mask = (micro.weights != 0).float()  # (b, T) tokens in the loss
                     old = logp.detach() if micro.old_logprobs is None else micro.old_logprobs
                     terms = loss(logp, old, micro.advantages, mask, eps_low, eps_high, dual_clip=config.dual_clip)
@@ -322,15 +326,23 @@ class Trainer:
             else:
                 old_logp = self._forward_no_grad(sub) if many else None
             ref_logp = self._reference_logprobs(sub) if track_kl else None
-            minis.append(trajectory_datums([trajectories[i] for i in local.tolist()], sub,
-                                           weights[rows.to(weights.device)], advantages[local.to(advantages.device)],
-                                           old_logp, ref_logp, None if sampler_is_old else sub.sampler_logprobs))
+            datums = trajectory_datums([trajectories[i] for i in local.tolist()], sub,
+                                       weights[rows.to(weights.device)], advantages[local.to(advantages.device)],
+                                       old_logp, ref_logp, None if sampler_is_old else sub.sampler_logprobs)
+            if alg.beta == 0 and not track_kl:
+                # A row with advantage 0 adds exactly 0 to the gradient (no KL term): skip its forward
+                # and backward. The weights above were normalised over the whole mini-batch, so the
+                # update is the same; ``entropy`` and ``clipfrac`` are then means over the rows with a signal.
+                signal = advantages[local.to(advantages.device)].tolist()
+                datums = [d for d, a in zip(datums, signal, strict=True) if a != 0]
+            minis.append(datums)
         return minis
 
     def _forward_backward_shard(self, datums: list[Datum], loss_fn: str, config: LossConfig) -> ForwardBackwardOutput:
         """``forward_backward`` on this rank's datums; under DDP the gradients and diagnostics are
         summed over the ranks (a rank with no datums adds zeros)."""
-        out = self.forward_backward(datums, loss_fn, config) if datums else ForwardBackwardOutput(0.0, [])
+        out = (self.forward_backward(datums, loss_fn, config, loss_positions_only=True) if datums
+               else ForwardBackwardOutput(0.0, []))
         if self.world is not None:
             self.world.reduce(out, self.params)
         return out
@@ -369,7 +381,10 @@ class Trainer:
         checkpointing = getattr(lm, "is_activation_checkpointing", False)
         shared = self.share_prompt and shifted and not checkpointing
         forward = shared_prefix_logprobs if shared else completion_logprobs
-        return forward(lm, micro, self.temperature, with_entropy)
+        width = micro.targets.shape[1]
+        logp, entropy = forward(lm, micro.trimmed(), self.temperature, with_entropy)
+        pad = lambda t: None if t is None else F.pad(t, (0, width - t.shape[1]))  # noqa: E731
+        return pad(logp), pad(entropy)
 
 
 def _loss_fn(name: str, config: LossConfig):
