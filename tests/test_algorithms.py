@@ -64,8 +64,9 @@ def test_ppo_clip_token_values_and_clip_mask():
 def test_ppo_clip_gradient_is_zero_where_clipped():
     new = NEW.clone().requires_grad_(True)
     ppo_clip(new, OLD, ADV, MASK, 0.2, 0.28).per_token.sum().backward()
-    # d(-A r)/d logp = -A r where unclipped; 0 where the clipped branch is active
-    close(new.grad, [[0.0, -1.0, -0.5], [1.0, 1.4, 1.0]])
+    # d(-A r)/d logp = -A r where unclipped; 0 where the clipped branch is active; 0 on padding
+    # (masked positions never enter exp: their log-ratio is a constant 0)
+    close(new.grad, [[0.0, -1.0, -0.5], [1.0, 1.4, 0.0]])
 
 
 def test_gspo_ignores_masked_positions():

@@ -28,9 +28,10 @@ CASES = {
                              {"kl_every": 1}),
     "ppo_two_passes_kl_penalty": (algorithms.ppo(beta=0.1), OptimConfig(learning_rate=1e-2, max_grad_norm=0.5),
                                   {}),
-    "gspo_sampler_logprobs": (algorithms.gspo(), OptimConfig(learning_rate=1e-2, weight_decay=0.1),
+    # the reference predates the off-policy correction: "off" is the behaviour it recorded
+    "gspo_sampler_logprobs": (algorithms.gspo(is_correction="off"), OptimConfig(learning_rate=1e-2, weight_decay=0.1),
                               {"use_sampler_logprobs": True}),
-    "cispo_truncated_plain_path": (algorithms.cispo(mask_truncated=True), OptimConfig(learning_rate=1e-2),
+    "cispo_truncated_plain_path": (algorithms.cispo(mask_truncated=True, is_correction="off"), OptimConfig(learning_rate=1e-2),
                                    {"share_prompt": False, "use_sampler_logprobs": True}),
     "dr_grpo_overlong": (algorithms.dr_grpo(overlong_buffer=0.5), OptimConfig(learning_rate=1e-2), {}),
 }

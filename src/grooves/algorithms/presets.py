@@ -36,11 +36,26 @@ class Algorithm(BaseModel):
     overlong_penalty: float = Field(1.0, ge=0, description="Largest overlong punishment (at the limit).")
     mask_truncated: bool = Field(False, description="Exclude truncated completions from the loss (DAPO "
                                  "overlong filtering); they still count in the group's advantage baseline.")
+    is_correction: Literal["auto", "token", "sequence", "off"] = Field(
+        "auto", description="Truncated importance sampling between the sampler's logprobs and the trainer's "
+        "before the update: per token, per sequence, or off. 'auto' = 'token' whenever the two can differ "
+        "(train.use_sampler_logprobs, a trajectory whose policy_version is older than the trainer's step, "
+        "a remote sampler), else off.")
+    is_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="'truncate': cut a weight above is_cap to is_cap (TIS); 'mask': drop the "
+        "token or sequence whose weight is above is_cap (MIS).")
+    is_cap: float = Field(3.0, gt=1, description="The cap C on the importance weight exp(old - sampler).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip PPO: for negative advantages the "
+                                    "loss is at most -dual_clip * A (Ye et al. 2020; verl's clip_ratio_c, "
+                                    "typically 3); None = off. ppo_clip and gspo only.")
 
     @model_validator(mode="after")
     def _check(self) -> Algorithm:
         if self.eps_low > 1:
             raise ValueError("eps_low must be <= 1 (the clipped ratio cannot go below 0)")
+        if self.dual_clip is not None and self.loss == "cispo":
+            raise ValueError("dual_clip applies to ppo_clip and gspo; CISPO's weight is already capped "
+                             "at 1 + eps_high")
         return self
 
 

@@ -155,6 +155,31 @@ class JudgeDirectedConfig(_Section):
         return patterns
 
 
+class SamplerConfig(_Section):
+    """Statistic: train/sampler_kl as a multiple of its running median (the stall and identical-ratio checks alert on their own)."""
+
+    version_metric: str = Field("rollout/policy_version", description="The step metric with the oldest policy "
+                                "version that sampled the step; without it, the trajectories' policy_version.")
+    stall_warn_steps: int = Field(4, ge=1, description="Warn when that version has not advanced for this many "
+                                  "trainer steps.")
+    stall_critical_steps: int = Field(8, ge=1, description="Critical after this many.")
+    kl_metric: str = Field("train/sampler_kl", description="The step metric with the sampler/trainer KL.")
+    kl_floor: float = Field(0.01, ge=0, description="A KL below this never alerts, whatever its multiple.")
+    min_history: int = Field(3, ge=1, description="Steps of KL history before the jump check starts.")
+    window: int = Field(20, ge=2, description="The running median covers the last this many steps.")
+    warn_above: float = Field(5.0, gt=1, description="Warn when the KL is this multiple of its median.")
+    critical_above: float = Field(20.0, gt=1, description="Critical at this multiple.")
+    identical_share: float = Field(1.0, gt=0, le=1, description="Critical when at least this share of tokens "
+                                   "has an importance ratio of exactly 1 while train/policy_lag >= 1.")
+
+    @model_validator(mode="after")
+    def _stall_order(self):
+        if self.stall_critical_steps < self.stall_warn_steps:
+            raise ValueError(f"stall_critical_steps ({self.stall_critical_steps}) must be >= stall_warn_steps "
+                             f"({self.stall_warn_steps})")
+        return self
+
+
 class MonitorsConfig(BaseModel):
     """The ``[monitors]`` section: reward-hacking detectors run on every training step."""
 
@@ -180,6 +205,8 @@ class MonitorsConfig(BaseModel):
                                    description="Policy entropy collapses below its early baseline.")
     judge_directed: JudgeDirectedConfig = Field(default_factory=JudgeDirectedConfig,
                                                 description="Outputs address the judge or scorer.")
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="The sampler's policy version "
+                                   "stops advancing, or its logprobs drift from (or copy) the trainer's.")
 
 
 def config_tables() -> dict[str, str]:

@@ -19,12 +19,13 @@ from pydantic import BaseModel
 from grooves.monitors.base import SEVERITIES, Alert, Detector
 from grooves.monitors.config import MonitorsConfig
 from grooves.monitors.outputs import Collapse, JudgeDirected, Repetition, SourceInsensitivity
+from grooves.monitors.sampler import SamplerDrift
 from grooves.monitors.signals import Divergence, EntropyCollapse, LengthExploitation, RewardSpike
 from grooves.types import Group
 
 DETECTORS: tuple[type[Detector], ...] = (
     Collapse, SourceInsensitivity, RewardSpike, Divergence, LengthExploitation, Repetition, EntropyCollapse,
-    JudgeDirected,
+    JudgeDirected, SamplerDrift,
 )
 """Every shipped detector; each ``name`` is also its ``MonitorsConfig`` field."""
 

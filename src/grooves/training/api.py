@@ -125,6 +125,9 @@ def run_config(config: RunConfig, *, runs: str | Path | None = None, out: str | 
     ``acknowledge``: detectors whose alerts only warn from now on (``--ack`` on resume).
     ``console``: where progress and alerts go (default: stderr); see ``grooves.progress``.
     """
+    from grooves.training.ddp import init_from_env
+
+    init_from_env()  # under torchrun: join the group (and pick this rank's GPU) before the model loads
     sets = task_sets(config)
     Reporter(console, enabled=progress).phase("loading", f"model {config.model.spec}")
     policy = policy or load_policy(config, runs)

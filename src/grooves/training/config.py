@@ -117,6 +117,10 @@ class TrainConfig(_Section):
                                       "the current update; each trajectory records the adapter version that sampled "
                                       "it, and ones more than k updates old are left out and counted "
                                       "(rollout/dropped_stale). 0 = the synchronous loop. See docs/scale.md.")
+    minibatches: int = Field(1, ge=1, description="Optimizer steps per rollout batch: the batch is split "
+                             "in order into this many near-equal mini-batches, each its own "
+                             "AdamW step, so the PPO/GSPO/CISPO clip acts after the first; the old logprobs are "
+                             "computed once before the first. 1 = one step per batch.")
     max_failed_steps: int = Field(3, ge=0, description="End the run (exit code 1) after this many steps in a "
                                   "row that trained nothing because every reward failed or the reward statistics "
                                   "were not finite; 0 = never.")

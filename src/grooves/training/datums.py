@@ -32,6 +32,9 @@ class Datum:
     advantages: list[float] | None = None  # (N,)
     ref_logprobs: list[float] | None = None  # (N,) the reference model's, for a KL term
     start: int = 0
+    # (N,) the sampler's, when ``logprobs`` are not: the importance-sampling correction and the
+    # sampler/trainer mismatch diagnostics compare them with the old policy's (grooves' extension)
+    sampler_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -45,6 +48,7 @@ class DatumBatch:
     ref_logprobs: torch.Tensor | None
     lengths: list[int]  # positions per datum from its start
     shifted: bool  # every target is the next input token (the shared-prompt path needs it)
+    sampler_logprobs: torch.Tensor | None = None
 
     @classmethod
     def build(cls, datums: list[Datum], device: torch.device | str = "cpu") -> DatumBatch:
@@ -52,7 +56,7 @@ class DatumBatch:
             raise ValueError("forward_backward needs at least one datum")
         for index, datum in enumerate(datums):
             _check_datum(index, datum)
-        for name in ("logprobs", "ref_logprobs"):
+        for name in ("logprobs", "ref_logprobs", "sampler_logprobs"):
             if len({getattr(d, name) is None for d in datums}) > 1:
                 raise ValueError(f"either every datum has {name} or none has")
         shifted = all(d.tokens[d.start + 1:] == d.target_tokens[d.start: -1] for d in datums)
@@ -75,14 +79,16 @@ class DatumBatch:
         tokens = TokenBatch(input_ids.to(device), torch.tensor([d.start + 1 for d in datums], device=device),
                             padded("target_tokens", 0, torch.long), region.to(device), old)
         has_old, has_ref = datums[0].logprobs is not None, datums[0].ref_logprobs is not None
+        sampler = padded("sampler_logprobs", 0.0) if datums[0].sampler_logprobs is not None else None
         return cls(tokens, padded("weights", 1.0) * tokens.mask, padded("advantages", 0.0),
-                   old if has_old else None, padded("ref_logprobs", 0.0) if has_ref else None, lengths, shifted)
+                   old if has_old else None, padded("ref_logprobs", 0.0) if has_ref else None, lengths, shifted,
+                   sampler)
 
     def select(self, rows: torch.Tensor) -> DatumBatch:
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return DatumBatch(self.tokens.select(rows), self.weights[rows], self.advantages[rows],
                           pick(self.old_logprobs), pick(self.ref_logprobs),
-                          [self.lengths[r] for r in rows.tolist()], self.shifted)
+                          [self.lengths[r] for r in rows.tolist()], self.shifted, pick(self.sampler_logprobs))
 
 
 def _check_datum(index: int, datum: Datum) -> None:
@@ -92,7 +98,7 @@ def _check_datum(index: int, datum: Datum) -> None:
                          f"({n} tokens, {len(datum.target_tokens)} target_tokens)")
     if not 0 <= datum.start < n:
         raise ValueError(f"datum {index}: start {datum.start} is outside its {n} positions")
-    for name in ("weights", "logprobs", "advantages", "ref_logprobs"):
+    for name in ("weights", "logprobs", "advantages", "ref_logprobs", "sampler_logprobs"):
         values = getattr(datum, name)
         if values is not None and len(values) != n:
             raise ValueError(f"datum {index}: {name} has {len(values)} values for {n} positions")
@@ -100,11 +106,11 @@ def _check_datum(index: int, datum: Datum) -> None:
 
 def trajectory_datums(trajectories: list[Trajectory], batch: TokenBatch, weights: torch.Tensor,
                       advantages: torch.Tensor, old_logp: torch.Tensor | None,
-                      ref_logp: torch.Tensor | None) -> list[Datum]:
+                      ref_logp: torch.Tensor | None, sampler_logp: torch.Tensor | None = None) -> list[Datum]:
     """One datum per trajectory: the sequence shifted by one, the loss from the first completion token.
 
-    ``weights`` (the aggregation), ``old_logp`` and ``ref_logp`` are ``(B, T)`` over completion
-    tokens, as ``batch``; ``advantages`` is ``(B,)`` and becomes one value per token.
+    ``weights`` (the aggregation), ``old_logp``, ``ref_logp`` and ``sampler_logp`` are ``(B, T)``
+    over completion tokens, as ``batch``; ``advantages`` is ``(B,)`` and becomes one value per token.
     """
     datums = []
     for row, t in enumerate(trajectories):
@@ -116,5 +122,6 @@ def trajectory_datums(trajectories: list[Trajectory], batch: TokenBatch, weights
 
         datums.append(Datum(sequence[:-1], sequence[1:], weights=positions(weights),
                             logprobs=positions(old_logp), advantages=positions(advantages[:, None].expand_as(weights)),
-                            ref_logprobs=positions(ref_logp), start=start))
+                            ref_logprobs=positions(ref_logp), start=start,
+                            sampler_logprobs=positions(sampler_logp)))
     return datums

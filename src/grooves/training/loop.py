@@ -39,6 +39,7 @@ from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
 from grooves.training.async_pipeline import (AsyncPipeline, Batch, LocalRollouts, SyncPipeline, drop_after,
                                              staleness_metrics)
+from grooves.training import ddp
 from grooves.training.config import ConfigError, RunConfig
 from grooves.training.rollout import Evaluation, completion_stats, evaluate, reward_metrics
 from grooves.training.runfolder import GracefulStop, Run, begin, resume_point
@@ -72,12 +73,14 @@ class TrainingRun:
         self.generator = torch.Generator(device=policy.device).manual_seed(config.seed)
         # An agent's rollout spans turns: its length budget is the env's, not one turn's.
         max_length = max([s.max_completion_length] + [t.env.max_tokens for t in task_sets if t.env is not None])
-        trainer = getattr(policy, "trainer_class", Trainer)  # a remote policy ([backend]) brings its own
-        self.trainer = trainer(policy, config.algorithm, config.optim, temperature=s.temperature,
-                               max_completion_length=max_length, total_steps=config.steps,
-                               use_sampler_logprobs=config.train.use_sampler_logprobs,
-                               share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
-                               max_staleness=drop_after(config.train))
+        self.world = ddp.init_from_env()  # under torchrun: rank 0 runs the loop, every rank trains
+        remote = getattr(policy, "trainer_class", None)  # a remote policy ([backend]) brings its own trainer
+        local = {} if remote else {"minibatches": config.train.minibatches, "world": self.world}
+        self.trainer = (remote or Trainer)(policy, config.algorithm, config.optim, temperature=s.temperature,
+                                           max_completion_length=max_length, total_steps=config.steps,
+                                           use_sampler_logprobs=config.train.use_sampler_logprobs,
+                                           share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
+                                           max_staleness=drop_after(config.train), **local)
         self.monitors = Monitors(config.monitors)
         self.acknowledged = set(acknowledge)  # detectors whose alerts only warn from now on
         self.stop_rule = stop_rule
@@ -97,11 +100,19 @@ class TrainingRun:
     # --- the loop --------------------------------------------------------------------
 
     def run(self) -> Run:
-        with RunLock(self.run_dir):
-            return self._run()
+        if self.world is not None and not self.world.is_main:  # a DDP rank: train on rank 0's groups only
+            return Run(self.run_dir.name, self.run_dir, ddp.follow(self.trainer))
+        try:
+            with RunLock(self.run_dir):
+                return self._run()
+        finally:
+            if self.world is not None:
+                ddp.broadcast(None)  # the other ranks stop, whatever ended the run
 
     def _run(self) -> Run:
         start = self._open()
+        if self.world is not None:
+            ddp.send_state(self.trainer)
         step = start
         self.pipeline = None
         try:
@@ -179,6 +190,8 @@ class TrainingRun:
         metrics["train/wait_time"] = time.perf_counter() - t0  # sampling the update waited for
         metrics.update(staleness_metrics(sampled, self.trainer.step))
         self.progress.phase("updating", log=False)
+        if self.world is not None:
+            ddp.broadcast(kept)
         metrics.update(self.trainer.train_step(kept))
         self.pipeline.publish(self.trainer.step)
         metrics["rollout/dropped_stale"] = metrics.get("train/trajectories_stale", 0.0)

@@ -26,6 +26,18 @@ Deviations worth knowing:
   the skip look like a batch without signal.
 - ``kl`` (to the base model, the adapter disabled) is logged every ``kl_every`` steps even
   when ``beta == 0``; that costs one forward pass without gradient.
+- Off-policy correction (``grooves.algorithms.offpolicy``): when the sampler and the trainer
+  can differ (``use_sampler_logprobs``, a trajectory whose ``policy_version`` is older than
+  ``step``, ``remote_sampler``) each token's policy loss is multiplied by the truncated (or
+  masked) weight ``exp(old - sampler)``, and the old policy is the trainer's, not the sampler's.
+  ``train/sampler_kl`` and the ratio quantiles are logged whenever the old policy is the trainer's.
+- ``minibatches = m`` splits the batch (in order) into m parts, each one AdamW step with its own
+  aggregation; the old logprobs of every part are computed before the first step.
+- A mini-batch in which no token with a non-zero advantage (or a KL penalty) keeps a non-zero
+  weight (``mask_truncated``, the IS mask) takes no AdamW step; ``train/skipped_steps`` counts them.
+- Under ``torch.distributed`` (``grooves.training.ddp``) every rank gets the same groups, trains
+  on its contiguous shard of each mini-batch with weights normalised over the whole mini-batch,
+  and the gradients are summed across ranks before the step: the 1-process update.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ import torch.nn.functional as F
 
 from grooves.algorithms import AGGREGATIONS, ESTIMATORS, LOSSES, Algorithm, k3_kl, overlong_penalty
 from grooves.algorithms.losses import TINKER_LOSSES
+from grooves.algorithms.offpolicy import importance_weights, sampler_kl
 from grooves.policy.logprobs import TokenBatch, build_token_batch, completion_logprobs, shared_prefix_logprobs
 from grooves.policy.policy import Policy
 from grooves.training.config import OptimConfig
@@ -63,6 +76,10 @@ class LossConfig:
     eps_high: float | None = None
     kl_coef: float = 0.0  # adds kl_coef * k3(logp, ref_logprobs) per token
     entropy: bool = False  # report the token-mean entropy (costs a softmax over the vocabulary)
+    is_level: str | None = None  # "token" / "sequence": weight the policy loss by exp(old - sampler)
+    is_mode: str = "truncate"  # or "mask"
+    is_cap: float = 3.0
+    dual_clip: float | None = None
 
 
 @dataclass
@@ -72,6 +89,8 @@ class ForwardBackwardOutput:
     sums: dict[str, float] = field(default_factory=dict)  # diagnostics over the loss's tokens
     counts: dict[str, float] = field(default_factory=dict)
     finite: bool = True  # False: a non-finite loss; every accumulated gradient was dropped
+    active: float = 0.0  # tokens whose loss has a gradient: weight != 0 and (advantage != 0 or a KL term)
+    ratios: list[torch.Tensor] = field(default_factory=list)  # sampler importance ratios (diagnostic)
 
     def metrics(self) -> dict[str, float]:
         """Tinker-style metric names: ``name:reduction``."""
@@ -99,7 +118,8 @@ class Trainer:
     def __init__(self, policy: Policy, algorithm: Algorithm, optim: OptimConfig | None = None, *,
                  temperature: float = 1.0, max_completion_length: int = 64, total_steps: int = 1,
                  use_sampler_logprobs: bool = False, share_prompt: bool = True, kl_every: int = 10,
-                 max_staleness: int | None = None):
+                 max_staleness: int | None = None, minibatches: int = 1, remote_sampler: bool = False,
+                 world=None):
         if not policy.has_adapter:
             raise ValueError("training needs a LoRA adapter: Policy.load(spec, lora=LoRA(rank=8))")
         optim = optim or OptimConfig()
@@ -112,6 +132,9 @@ class Trainer:
         self.share_prompt = share_prompt
         self.kl_every = kl_every
         self.max_staleness = max_staleness
+        self.minibatches = minibatches
+        self.remote_sampler = remote_sampler  # the sampler is a service whose numerics differ from ours
+        self.world = world  # a grooves.training.ddp.World under torch.distributed, else None
         self.params = policy.trainable_parameters()
         self.total_steps = total_steps
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.learning_rate, betas=optim.betas,
@@ -139,8 +162,11 @@ class Trainer:
                     logp, entropy = self._logprobs(tokens, with_entropy=config.entropy, shifted=batch.shifted)
                     mask = (micro.weights != 0).float()  # (b, T) tokens in the loss
                     old = logp.detach() if micro.old_logprobs is None else micro.old_logprobs
-                    terms = loss(logp, old, micro.advantages, mask, eps_low, eps_high)
+                    terms = loss(logp, old, micro.advantages, mask, eps_low, eps_high, dual_clip=config.dual_clip)
                     per_token = terms.per_token
+                    effective = micro.weights
+                    if micro.sampler_logprobs is not None:
+                        per_token, effective = _correct(out, per_token, old, micro, mask, config)
                     if micro.ref_logprobs is not None:
                         kl = k3_kl(logp, micro.ref_logprobs)
                         if config.kl_coef > 0:
@@ -154,6 +180,9 @@ class Trainer:
                 if backward:
                     chunk_loss.backward()
                 out.loss += chunk_loss.item()
+                with torch.no_grad():
+                    moves = (micro.advantages != 0) | (config.kl_coef > 0 and micro.ref_logprobs is not None)
+                    out.active += ((effective != 0) & moves).sum().item()
                 _add(out, "clipfrac", terms.clipped.float(), mask)
                 _add(out, "approx_kl", k3_kl(old, logp.detach()), mask)
                 if entropy is not None:
@@ -206,12 +235,26 @@ class Trainer:
         if self.algorithm.mask_truncated:
             truncated = torch.tensor([t.truncated for t in prepared.trajectories], device=batch.mask.device)
             batch.mask = batch.mask * (~truncated)[:, None]
-        metrics.update(self._optimise(prepared.trajectories, batch, prepared.advantages.to(self.policy.device), lr))
+        level = self.correction_level(prepared.trajectories)
+        metrics["train/is_correction"] = float(level is not None)
+        versions = [t.policy_version for t in prepared.trajectories if t.policy_version is not None]
+        if versions:
+            metrics["train/policy_lag"] = float(self.step - min(versions))
+        metrics.update(self._optimise(prepared.trajectories, batch, prepared.advantages.to(self.policy.device), lr,
+                                      level))
         tokens = sum(len(t.completion_ids) for t in prepared.trajectories)
         elapsed = time.perf_counter() - start
         metrics.update({"train/step_time": elapsed, "train/update_tokens_per_s": tokens / elapsed})
         self.step += 1
         return metrics
+
+    def correction_level(self, trajectories: list[Trajectory]) -> str | None:
+        """``"token"``/``"sequence"`` when the off-policy correction is on for this batch, else None."""
+        choice = self.algorithm.is_correction
+        if choice != "auto":
+            return None if choice == "off" else choice
+        stale = any(t.policy_version is not None and t.policy_version < self.step for t in trajectories)
+        return "token" if self.use_sampler_logprobs or self.remote_sampler or stale else None
 
     def save(self, run_dir: str | Path) -> Path:
         """Write a checkpoint of the current step into ``run_dir`` (servable as ``RUN@STEP``)."""
@@ -229,38 +272,80 @@ class Trainer:
         self.step = state["step"]
 
     def _optimise(self, trajectories: list[Trajectory], batch: TokenBatch, advantages: torch.Tensor,
-                  lr: float) -> dict[str, float]:
-        """``num_iterations`` passes of forward_backward + optim_step over the batch's datums."""
+                  lr: float, level: str | None = None) -> dict[str, float]:
+        """``num_iterations`` passes over the batch's ``minibatches``: forward_backward + optim_step each."""
         alg = self.algorithm
-        weights = AGGREGATIONS[alg.aggregation](batch.mask, self.max_completion_length)  # (B, T)
-        old_logp = self._old_logprobs(batch)
-        track_kl = alg.beta > 0 or (self.kl_every > 0 and self.step % self.kl_every == 0)
-        ref_logp = self._reference_logprobs(batch) if track_kl else None
-        datums = trajectory_datums(trajectories, batch, weights, advantages, old_logp, ref_logp)
-        if alg.beta == 0 and not track_kl:
-            # A row with advantage 0 adds exactly 0 to the gradient (no KL term): skip its forward
-            # and backward. The weights above were normalised over the whole batch, so the update
-            # is the same; ``entropy`` and ``clipfrac`` are then means over the rows with a signal.
-            datums = [d for d, a in zip(datums, advantages.tolist(), strict=True) if a != 0]
+        minis = self._minibatch_datums(trajectories, batch, advantages, level)
         adam = AdamParams(lr, *self.optim.betas, weight_decay=self.optim.weight_decay,
                           grad_clip_norm=self.optim.max_grad_norm)
         stats = _Stats()
-        # A later pass that fails must not leave the earlier passes' updates behind.
-        snapshot = self._snapshot() if alg.num_iterations > 1 else None
+        # A later step that fails must not leave the earlier steps' updates behind.
+        snapshot = self._snapshot() if alg.num_iterations * len(minis) > 1 else None
         self.optimizer.zero_grad(set_to_none=True)
         for iteration in range(alg.num_iterations):
             first = iteration == 0
-            config = LossConfig(alg.eps_low, alg.eps_high, kl_coef=alg.beta, entropy=first)
-            # the KL is logged from the first pass; later passes need it only as a penalty
-            later = datums if alg.beta > 0 else _without_ref(datums)
-            out = self.forward_backward(datums if first else later, alg.loss, config, loss_positions_only=True)
-            grad_norm = self.optim_step(adam) if out.finite else None
-            if grad_norm is None:
-                self._restore(snapshot)
-                return {"alerts/nan_loss": 1.0, "train/skipped": 1.0}
-            stats.merge(out, log_kl=first)
-            stats.grad_norm = grad_norm
+            config = LossConfig(alg.eps_low, alg.eps_high, kl_coef=alg.beta, entropy=first, is_level=level,
+                                is_mode=alg.is_mode, is_cap=alg.is_cap, dual_clip=alg.dual_clip)
+            for datums in minis:
+                # the KL is logged from the first pass; later passes need it only as a penalty
+                later = datums if alg.beta > 0 else _without_ref(datums)
+                out = self._forward_backward_shard(datums if first else later, alg.loss, config)
+                if out.finite and out.active == 0:  # no gradient: AdamW momentum must not move the adapter
+                    self.optimizer.zero_grad(set_to_none=True)
+                    stats.skipped_steps += 1
+                    stats.merge(out, log_kl=first)
+                    continue
+                grad_norm = self.optim_step(adam) if out.finite else None
+                if grad_norm is None:
+                    self._restore(snapshot)
+                    return {"alerts/nan_loss": 1.0, "train/skipped": 1.0}
+                stats.merge(out, log_kl=first)
+                stats.grad_norm = grad_norm
+                stats.steps += 1
         return stats.metrics()
+
+    def _minibatch_datums(self, trajectories: list[Trajectory], batch: TokenBatch, advantages: torch.Tensor,
+                          level: str | None) -> list[list[Datum]]:
+        """Each mini-batch's datums (this rank's shard of it), old and reference logprobs included:
+        all computed before the first update, so every mini-batch's old policy is the same."""
+        alg = self.algorithm
+        track_kl = alg.beta > 0 or (self.kl_every > 0 and self.step % self.kl_every == 0)
+        many = alg.num_iterations > 1 or self.minibatches > 1
+        sampler_is_old = self.use_sampler_logprobs and level is None
+        minis = []
+        for part in torch.arange(len(batch)).tensor_split(min(self.minibatches, len(batch))):
+            weights = AGGREGATIONS[alg.aggregation](batch.mask[part], self.max_completion_length)  # (b, T)
+            local = part if self.world is None else self.world.shard(part)
+            if len(local) == 0:
+                minis.append([])
+                continue
+            sub = batch.select(local.to(batch.mask.device))
+            rows = local - part[0]  # the shard's rows within the mini-batch
+            if sampler_is_old:
+                old_logp = sub.sampler_logprobs
+            else:
+                old_logp = self._forward_no_grad(sub) if many else None
+            ref_logp = self._reference_logprobs(sub) if track_kl else None
+            datums = trajectory_datums([trajectories[i] for i in local.tolist()], sub,
+                                       weights[rows.to(weights.device)], advantages[local.to(advantages.device)],
+                                       old_logp, ref_logp, None if sampler_is_old else sub.sampler_logprobs)
+            if alg.beta == 0 and not track_kl:
+                # A row with advantage 0 adds exactly 0 to the gradient (no KL term): skip its forward
+                # and backward. The weights above were normalised over the whole mini-batch, so the
+                # update is the same; ``entropy`` and ``clipfrac`` are then means over the rows with a signal.
+                signal = advantages[local.to(advantages.device)].tolist()
+                datums = [d for d, a in zip(datums, signal, strict=True) if a != 0]
+            minis.append(datums)
+        return minis
+
+    def _forward_backward_shard(self, datums: list[Datum], loss_fn: str, config: LossConfig) -> ForwardBackwardOutput:
+        """``forward_backward`` on this rank's datums; under DDP the gradients and diagnostics are
+        summed over the ranks (a rank with no datums adds zeros)."""
+        out = (self.forward_backward(datums, loss_fn, config, loss_positions_only=True) if datums
+               else ForwardBackwardOutput(0.0, []))
+        if self.world is not None:
+            self.world.reduce(out, self.params)
+        return out
 
     def _snapshot(self) -> dict:
         return {"params": [p.detach().clone() for p in self.params],
@@ -273,14 +358,6 @@ class Trainer:
         for param, saved in zip(self.params, snapshot["params"]):
             param.copy_(saved)
         self.optimizer.load_state_dict(snapshot["optimizer"])
-
-    @torch.no_grad()
-    def _old_logprobs(self, batch: TokenBatch) -> torch.Tensor | None:
-        if self.use_sampler_logprobs:
-            return batch.sampler_logprobs
-        if self.algorithm.num_iterations == 1:
-            return None
-        return self._forward_no_grad(batch)
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
@@ -323,9 +400,26 @@ def _loss_fn(name: str, config: LossConfig):
             eps_high if config.eps_high is None else config.eps_high)
 
 
+def _correct(out: ForwardBackwardOutput, per_token: torch.Tensor, old: torch.Tensor, micro: DatumBatch,
+             mask: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log the sampler/trainer gap; with ``config.is_level`` weight the policy loss by the truncated
+    (or masked) importance weight. Returns the per-token loss and the tokens' effective weights."""
+    sampler, old = micro.sampler_logprobs, old.detach()
+    _add(out, "sampler_kl", sampler_kl(old, sampler, mask), mask)
+    _add(out, "is_exact", (old == sampler).float(), mask)
+    correction = importance_weights(old, sampler, mask, config.is_level or "token", config.is_mode, config.is_cap)
+    out.ratios.append(correction.ratios.cpu())
+    if config.is_level is None:
+        return per_token, micro.weights
+    _add(out, "is_masked", correction.masked.float(), mask)
+    _add(out, "is_truncated", correction.truncated.float(), mask)
+    return per_token * correction.weights, micro.weights * correction.weights
+
+
 def _add(out: ForwardBackwardOutput, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
     with torch.no_grad():
-        out.sums[name] = out.sums.get(name, 0.0) + (values * mask).sum().item()
+        # where, not a product: a value off the mask may be inf (a garbage old logprob there)
+        out.sums[name] = out.sums.get(name, 0.0) + torch.where(mask > 0, values, 0.0).sum().item()
         out.counts[name] = out.counts.get(name, 0.0) + mask.sum().item()
 
 
@@ -339,10 +433,17 @@ def drop_stale(groups: list[Group], step: int, max_staleness: int | None) -> tup
         return groups, 0
     kept, dropped = [], 0
     for group in groups:
-        fresh = [t for t in group.trajectories if step - t.metadata.get("policy_step", step) <= max_staleness]
+        fresh = [t for t in group.trajectories if step - _version(t, step) <= max_staleness]
         dropped += len(group.trajectories) - len(fresh)
         kept.append(Group(group.task, fresh, group.metadata))
     return kept, dropped
+
+
+def _version(trajectory: Trajectory, default: int) -> int:
+    """The step whose adapter sampled it: ``policy_version``, else ``metadata["policy_step"]``."""
+    if trajectory.policy_version is not None:
+        return trajectory.policy_version
+    return trajectory.metadata.get("policy_step", default)
 
 
 def prepare_batch(groups: list[Group], alg: Algorithm, max_completion_length: int) -> PreparedBatch:
@@ -397,12 +498,19 @@ class _Stats:
         self.counts: dict[str, float] = {}
         self.losses: list[float] = []
         self.grad_norm = 0.0
+        self.steps = 0  # AdamW steps taken
+        self.skipped_steps = 0  # mini-batches without a gradient (no AdamW step)
+        self.ratios: list[torch.Tensor] = []
 
-    _NAMES = {"approx_kl": "train/approx_kl"}
+    _NAMES = {"approx_kl": "train/approx_kl", "sampler_kl": "train/sampler_kl", "is_exact": "train/is_ratio_exact_frac",
+              "is_masked": "train/is_masked_frac", "is_truncated": "train/is_truncated_frac"}
+    _FIRST_PASS = {"kl", "sampler_kl", "is_exact", "is_masked", "is_truncated"}
 
     def merge(self, out: ForwardBackwardOutput, log_kl: bool) -> None:
+        if log_kl:
+            self.ratios.extend(out.ratios)
         for name, total in out.sums.items():
-            if name == "kl" and not log_kl:
+            if name in self._FIRST_PASS and not log_kl:
                 continue
             key = self._NAMES.get(name, name)
             self.sums[key] = self.sums.get(key, 0.0) + total
@@ -410,7 +518,15 @@ class _Stats:
         self.losses.append(out.loss)
 
     def metrics(self) -> dict[str, float]:
-        out = {"loss/policy": sum(self.losses) / max(1, len(self.losses)), "train/grad_norm": self.grad_norm}
+        out = {"loss/policy": sum(self.losses) / max(1, len(self.losses)), "train/grad_norm": self.grad_norm,
+               "train/skipped_steps": float(self.skipped_steps)}
+        if self.steps == 0:
+            out["train/skipped"] = 1.0
         for name, total in self.sums.items():
             out[name] = total / max(self.counts[name], 1.0)
+        ratios = torch.cat(self.ratios) if self.ratios else torch.zeros(0)
+        if ratios.numel():
+            p50, p95 = torch.quantile(ratios.double(), torch.tensor([0.5, 0.95], dtype=torch.float64)).tolist()
+            out.update({"train/is_ratio/p50": p50, "train/is_ratio/p95": p95,
+                        "train/is_ratio/max": ratios.max().item(), "train/is_ratio/min": ratios.min().item()})
         return out
