@@ -167,6 +167,18 @@ def test_a_refusal_by_inaction_earns_no_action_credit(policy, env):
     env.close(unread)
 
 
+def test_run_states_reports_each_round(policy, env):
+    """Validation of 40 agent rollouts takes minutes: each round says how many have finished."""
+    refusal = task(env, "helpdesk-refuse_late-4-11")
+    states = [start(policy, env, refusal, 0) for _ in range(2)]
+    rounds = []
+    run_states(policy, env, states, scripted(policy, [call("find_customer", query="Sara Patel"), "Bye."], ["Hi."]),
+               turn_tokens=64, on_round=lambda *args: rounds.append(args))
+    assert rounds == [(1, 1, 2), (2, 2, 2)]
+    for state in states:
+        env.close(state)
+
+
 def test_an_address_change(policy, env):
     change = task(env, "helpdesk-address-2-address")
     assert change["prompt"].endswith("change my address to 92 Oak Street, Lakeside.")

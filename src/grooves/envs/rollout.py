@@ -118,10 +118,16 @@ def _run(coroutine):
     raise RuntimeError("env rollouts drive their own event loop; call them from synchronous code")
 
 
-def run_states(policy, env: Env, states: list[State], generate: Generate, turn_tokens: int) -> None:
-    """Advance ``states`` until every one is done."""
+def run_states(policy, env: Env, states: list[State], generate: Generate, turn_tokens: int,
+               on_round: Callable[[int, int, int], None] | None = None) -> None:
+    """Advance ``states`` until every one is done; ``on_round(round, done, total)`` after each round
+    (a round of 40 agent rollouts can take a minute on a CPU: progress wants to know)."""
+    rounds = 0
     while any(not env.is_done(s) for s in states):
         advance(policy, env, states, generate, turn_tokens)
+        rounds += 1
+        if on_round is not None:
+            on_round(rounds, sum(env.is_done(s) for s in states), len(states))
 
 
 def trajectory(env: Env, state: State, policy_step: int = 0) -> Trajectory:
@@ -138,11 +144,12 @@ def trajectory(env: Env, state: State, policy_step: int = 0) -> Trajectory:
 
 
 def env_groups(policy, env: Env, tasks: list[Task], n: int, generate: Generate, turn_tokens: int,
-               policy_step: int = 0, seed: int = 0) -> list[Group]:
+               policy_step: int = 0, seed: int = 0,
+               on_round: Callable[[int, int, int], None] | None = None) -> list[Group]:
     """``n`` rollouts of each task, all advanced together; one ``Group`` per task."""
     states = [start(policy, env, task, seed) for task in tasks for _ in range(n)]
     try:
-        run_states(policy, env, states, generate, turn_tokens)
+        run_states(policy, env, states, generate, turn_tokens, on_round)
         groups = []
         for k, task in enumerate(tasks):
             own = states[k * n: (k + 1) * n]

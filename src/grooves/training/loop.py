@@ -33,7 +33,7 @@ from grooves.envs.rollout import env_metrics
 from grooves.monitors import Alert, Monitors
 from grooves.policy.policy import Policy
 from grooves.policy.sampler import Sampling
-from grooves.progress import Reporter
+from grooves.progress import Reporter, duration
 from grooves.rewards.compose import RewardReport
 from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
@@ -343,7 +343,8 @@ class TrainingRun:
             if tasks:
                 with self._sampling_lock:
                     evaluation = evaluate(self.policy, tasks, [task_set.render(t) for t in tasks],
-                                          task_set.reward, self.val_sampling, step, task_set.env)
+                                          task_set.reward, self.val_sampling, step, task_set.env,
+                                          self._round_reporter(task_set.name))
                 for group in evaluation.groups:
                     group.metadata["task_set"] = task_set.name
                 groups += evaluation.groups
@@ -356,6 +357,15 @@ class TrainingRun:
         self._raise(step, self.monitors.observe_heldout(step, groups))
         metrics.update(self.monitors.heldout_metrics())
         return metrics
+
+    def _round_reporter(self, name: str) -> Callable[[int, int, int], None]:
+        """A line per round of an env's held-out rollouts: minutes of agent turns never go silent."""
+        started = time.monotonic()
+
+        def on_round(rounds: int, done: int, total: int) -> None:
+            self.progress.phase("validating", f"{name}: round {rounds}, {done} of {total} rollouts finished "
+                                              f"({duration(time.monotonic() - started)})")
+        return on_round
 
     # --- run folder, checkpoints, logging ------------------------------------------------
 

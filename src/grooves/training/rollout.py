@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,12 +20,13 @@ from grooves.types import Group, Message, Task, Trajectory
 
 def rollout_groups(policy: Policy, tasks: list[Task], prompts: list[list[Message]], n: int,
                    sampling: Sampling, generator: torch.Generator | None, policy_step: int,
-                   env: Env | None = None) -> list[Group]:
+                   env: Env | None = None, on_round: Callable[[int, int, int], None] | None = None) -> list[Group]:
     """``n`` rollouts of each task; every trajectory records ``policy_step`` as its ``policy_version``
     (the number of updates behind the adapter that sampled it) and in ``metadata["policy_step"]``."""
     if env is not None:
         generate = sampler_generate(policy, sampling.temperature, sampling.top_p, generator)
-        groups = env_groups(policy, env, tasks, n, generate, sampling.max_new_tokens, policy_step)
+        groups = env_groups(policy, env, tasks, n, generate, sampling.max_new_tokens, policy_step,
+                            on_round=on_round)
         for trajectory in (t for g in groups for t in g.trajectories):
             trajectory.policy_version = policy_step
         return groups
@@ -104,11 +106,13 @@ class Evaluation:
 
 
 def evaluate(policy: Policy, tasks: list[Task], prompts: list[list[Message]], reward: Reward,
-             sampling: Sampling, policy_step: int, env: Env | None = None) -> Evaluation:
+             sampling: Sampling, policy_step: int, env: Env | None = None,
+             on_round: Callable[[int, int, int], None] | None = None) -> Evaluation:
+    """One rollout of each task, scored; ``on_round`` follows an env's rounds (see ``run_states``)."""
     generator = None
     if sampling.temperature > 0:
         generator = torch.Generator(device=policy.device).manual_seed(sampling.seed or 0)
-    groups = rollout_groups(policy, tasks, prompts, 1, sampling, generator, policy_step, env)
+    groups = rollout_groups(policy, tasks, prompts, 1, sampling, generator, policy_step, env, on_round)
     report = reward.score(groups)
     metrics = reward_metrics(groups, reward, report, prefix="val/reward")
     metrics["val/completion_len"], metrics["val/truncated_ratio"] = completion_stats(groups)
