@@ -19,7 +19,6 @@ import argparse
 import logging
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import tinker
 from tinker import types
 
 from grooves.rewards.compose import Reward
+from grooves.backend.local import service_client
 from grooves.tasks import titles
 from grooves.types import Group, Task, Trajectory
 
@@ -148,19 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     # the SDK warns each time a long poll ends without a result; a busy CPU service makes many
     logging.getLogger("tinker.lib.api_future_impl").setLevel(logging.ERROR)
     settings = RLSettings(**{k: getattr(args, k) for k in RLSettings.__dataclass_fields__})
-    if args.base_url:
-        if not args.api_key:
-            raise SystemExit("--base-url needs --api-key or $TINKER_API_KEY")
-        service = tinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
+    with service_client(args.model, args.base_url, args.api_key) as service:
         results = rl_loop(service, args.model, settings)
-    else:
-        from grooves.backend.local import LocalService
-
-        with tempfile.TemporaryDirectory() as root, LocalService(args.model, root) as local:
-            print(f"started a service on {local.base_url} (checkpoints under {root}, removed at the end)")
-            service = tinker.ServiceClient(base_url=local.base_url, api_key=local.keys["local"])
-            results = rl_loop(service, args.model, settings)
-            service.close("success").result(timeout=60)
     print(f"held-out reward: {results[0]:.3f} before, {results[max(results)]:.3f} after {max(results)} steps")
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 import tinker
 from tinker import types
 
+from grooves.backend.local import service_client
 from grooves.tasks import titles
 from grooves.types import Task
 
@@ -107,18 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     # the SDK warns each time a long poll ends without a result; a busy CPU service makes many
     logging.getLogger("tinker.lib.api_future_impl").setLevel(logging.ERROR)
     settings = SFTSettings(**{k: getattr(args, k) for k in SFTSettings.__dataclass_fields__})
-    if args.base_url:
-        if not args.api_key:
-            raise SystemExit("--base-url needs --api-key or $TINKER_API_KEY")
-        results = sft_loop(tinker.ServiceClient(base_url=args.base_url, api_key=args.api_key), args.model, settings)
-    else:
-        from grooves.backend.local import LocalService
-
-        with tempfile.TemporaryDirectory() as root, LocalService(args.model, root) as local:
-            print(f"started a service on {local.base_url} (checkpoints under {root}, removed at the end)")
-            service = tinker.ServiceClient(base_url=local.base_url, api_key=local.keys["local"])
-            results = sft_loop(service, args.model, settings)
-            service.close("success").result(timeout=60)
+    with service_client(args.model, args.base_url, args.api_key) as service:
+        results = sft_loop(service, args.model, settings)
     print(f"held-out loss per token: {results[0]:.3f} before, {results[max(results)]:.3f} after {max(results)} steps")
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from grooves.backend.tenants import Tenant
@@ -47,3 +50,27 @@ class LocalService:
                 os.environ.pop("HF_HUB_OFFLINE", None)
             else:
                 os.environ["HF_HUB_OFFLINE"] = self._offline
+
+
+@contextmanager
+def service_client(model: str, base_url: str | None = None, api_key: str | None = None) -> Iterator:
+    """A ``tinker.ServiceClient`` of the service at ``base_url``, or of one started here on
+    127.0.0.1 for ``model`` (checkpoints in a temporary folder, removed at the end)."""
+    import tinker
+
+    if base_url:
+        if not api_key:
+            raise SystemExit("--base-url needs --api-key or $TINKER_API_KEY")
+        client = tinker.ServiceClient(base_url=base_url, api_key=api_key)
+        try:
+            yield client
+        finally:
+            client.close("success").result(timeout=60)
+        return
+    with tempfile.TemporaryDirectory() as root, LocalService(model, root) as local:
+        print(f"started a service on {local.base_url} (checkpoints under {root}, removed at the end)")
+        client = tinker.ServiceClient(base_url=local.base_url, api_key=local.keys["local"])
+        try:
+            yield client
+        finally:
+            client.close("success").result(timeout=60)
