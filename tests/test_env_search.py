@@ -93,6 +93,16 @@ def test_tasks_are_deterministic_and_splits_disjoint(env):
         env.tasks("test")
 
 
+def test_the_kinds_option_keeps_only_those_kinds_in_the_same_order(env):
+    some = Search(kinds=["default", "described_default"])
+    tasks = some.tasks("train")
+    assert {t["kind"] for t in tasks} == {"default", "described_default"}
+    assert len(tasks) == sum(t["kind"] != "name" for t in env.tasks("train"))
+    assert [t["kind"] for t in some.tasks("heldout", 4)] == ["default", "described_default"] * 2
+    with pytest.raises(ValueError, match="unknown kinds"):
+        Search(kinds=["nmae"]).tasks("train")
+
+
 def test_every_answer_is_in_its_source_document(env):
     for task in env.question_pool:
         text = env.corpus[task["source"]].text

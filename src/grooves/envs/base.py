@@ -121,7 +121,7 @@ class Env:
     @classmethod
     def option_names(cls) -> list[str]:
         """Settings a config's ``[env] options`` may change: plain public class values (numbers,
-        strings, flags), not the env's identity (``name``, ``weights``, ...), nothing declared
+        strings, flags, tuples of those), not the env's identity (``name``, ``weights``, ...), nothing declared
         ``ClassVar`` (``success``, ``system_prompt``: what the env is, not how it runs) and no method."""
         fixed = {"name", "description", "weights", "schema"}
         for klass in cls.__mro__:
@@ -130,8 +130,9 @@ class Env:
         names = set()
         for klass in cls.__mro__:
             for key, value in vars(klass).items():
-                if (not key.startswith("_") and key not in fixed and isinstance(value, (int, float, str, bool))
-                        and not isinstance(value, type)):
+                plain = isinstance(value, (int, float, str, bool)) or (
+                    isinstance(value, tuple) and all(isinstance(v, (int, float, str, bool)) for v in value))
+                if not key.startswith("_") and key not in fixed and plain and not isinstance(value, type):
                     names.add(key)
         return sorted(names)
 

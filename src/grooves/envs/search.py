@@ -234,6 +234,7 @@ class Search(SQLiteApp):
                                            "format": 0.25}
     success: ClassVar[str] = "exact"
     modules: tuple[str, ...] = MODULES
+    kinds: tuple[str, ...] = KINDS  # the question kinds ``tasks`` gives (e.g. SFT demos of only some kinds)
 
     @functools.cached_property
     def corpus(self) -> dict[str, Doc]:
@@ -260,9 +261,11 @@ class Search(SQLiteApp):
         """Questions of documents in ``split``, the kinds interleaved, in a seeded order."""
         if split not in ("train", "heldout"):
             raise ValueError(f"split must be train or heldout, not {split!r}")
+        if unknown := set(self.kinds) - set(KINDS):
+            raise ValueError(f"search: unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
         rng = random.Random(f"search:{split}:{seed}")
         own = [dict(t) for t in self.question_pool if heldout(t["source"]) == (split == "heldout")]
-        pools = [[t for t in own if t["kind"] == kind] for kind in KINDS]
+        pools = [[t for t in own if t["kind"] == kind] for kind in KINDS if kind in self.kinds]
         for pool in pools:
             rng.shuffle(pool)
         interleaved = [t for round_ in zip(*pools) for t in round_]
