@@ -360,10 +360,10 @@ class TrainingRun:
 
     def _round_reporter(self, name: str) -> Callable[[int, int, int], None]:
         """A line per round of an env's held-out rollouts: minutes of agent turns never go silent."""
-        started = time.monotonic()
+        started, label = time.monotonic(), f"{name}: " if name else ""
 
         def on_round(rounds: int, done: int, total: int) -> None:
-            self.progress.phase("validating", f"{name}: round {rounds}, {done} of {total} rollouts finished "
+            self.progress.phase("validating", f"{label}round {rounds}, {done} of {total} rollouts finished "
                                               f"({duration(time.monotonic() - started)})")
         return on_round
 
