@@ -11,7 +11,7 @@ short resumes from its newest checkpoint):
 3. RL from the base model, the same config without the adapter:
    ``grooves train examples/agents/ENV-rl.toml``.
 
-Both RL runs validate greedily on the same held-out tasks at steps 0, 4 and 8, so step 0 of
+Both RL runs validate greedily on the same held-out tasks at steps 0, 3 and 6, so step 0 of
 run 3 is the base model and step 0 of run 2 is the SFT model. The report reads the per-task
 results from the runs' ``run.sqlite`` and writes ``docs/agents.md`` (the table, the commands,
 the phase times) and ``docs/img/agents_success.png`` (held-out success vs RL step); text
@@ -204,12 +204,12 @@ def read_env(env_name: str, runs: Path) -> EnvResult | None:
         curves[key] = [(step, *mean_se([o.success for o in by_step[step].values()])) for step in steps]
         models["sft" if key == "sft_rl" else "base"] = by_step[steps[0]]
         models[key] = by_step[steps[-1]]
-    phase_seconds = {}
+    phase_seconds = {}  # a phase's newest successful run (an earlier config's runs stay in the file)
     timings = runs / "timings.jsonl"
     for line in timings.read_text().splitlines() if timings.exists() else []:
         entry = json.loads(line)
-        if entry["env"] == env_name:
-            phase_seconds[entry["phase"]] = phase_seconds.get(entry["phase"], 0.0) + entry["seconds"]
+        if entry["env"] == env_name and entry.get("exit_code") == 0:
+            phase_seconds[entry["phase"]] = entry["seconds"]
     return EnvResult(env_name, models, curves, sum(phase_seconds.values()), phase_seconds)
 
 
@@ -288,7 +288,7 @@ def write_doc(results: list[EnvResult], doc: Path, image: Path, runs: Path) -> N
         for suffix, command in PHASES:
             parts.append(f"grooves {command} examples/agents/{result.env}-{suffix}.toml --runs {runs}")
     parts += ["```", "",
-              "Both RL runs validate greedily on the same held-out tasks at steps 0, 4 and 8: step 0 of the",
+              f"Both RL runs validate greedily on the same held-out tasks at steps {val_schedule()}: step 0 of the",
               "RL-from-base run is the base model, step 0 of the SFT+RL run is the SFT model. ± is one",
               "standard error over tasks.", ""]
     for result in results:
@@ -305,6 +305,13 @@ def write_doc(results: list[EnvResult], doc: Path, image: Path, runs: Path) -> N
     parts += [result.line() for result in results]
     parts += ["```", "", kept_notes(doc), ""]
     doc.write_text("\n".join(parts))
+
+
+def val_schedule() -> str:
+    """The RL runs' validation steps, from the search SFT + RL config (both envs' agree)."""
+    config = load("search", "sft-rl")
+    steps = list(range(0, config.steps + 1, config.log.val_every))
+    return ", ".join(map(str, steps[:-1])) + f" and {steps[-1]}"
 
 
 def whole_run(runs: Path) -> dict | None:
