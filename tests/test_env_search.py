@@ -135,6 +135,23 @@ def test_normalise_and_f1_by_hand():
     assert token_f1("False", "True") == 0.0
 
 
+def test_restating_the_question_earns_no_partial_credit(env):
+    task = task_by_id(env, "search/name/logging.basicConfig")
+    assert "logging" in task["prompt"]
+    # without the question, an echo shares "logging" with the answer: precision 1/n, recall 1/2
+    assert token_f1(task["prompt"], task["answer"]) > 0
+    assert token_f1(task["prompt"], task["answer"], task["prompt"]) == 0.0
+    # the module alone was given away by the question; the right name still scores in full
+    assert token_f1("logging.NullHandler", task["answer"], task["prompt"]) == 0.0
+    assert token_f1("logging.basicConfig", task["answer"], task["prompt"]) == 1.0
+    assert token_f1("basicConfig", task["answer"], task["prompt"]) == 1.0
+    state = env.reset(task)
+    state.answer = task["prompt"]
+    assert env.score(state)["answer_f1"] == 0.0
+    # a question that holds every word of its answer falls back to plain F1
+    assert token_f1("json dumps", "json.dumps", "what does json.dumps do?") == 1.0
+
+
 def test_search_read_answer_scores_full_marks(env, policy):
     task = task_by_id(env, "search/described_default/calendar.TextCalendar/firstweekday")
     result = play(policy, env, task, [call("search", query="plain text calendar like the UNIX program cal", k=3),

@@ -25,7 +25,7 @@ the default in it) is only seen by reading the document. Train and heldout quest
 from disjoint documents (one document in four is heldout).
 
 Score components, each in [0, 1]: ``exact`` (normalised exact match), ``answer_f1`` (token
-F1), ``read_source`` (the source document was read), ``searched`` (at least one search ran)
+F1 over the words the question does not contain), ``read_source`` (the source document was read), ``searched`` (at least one search ran)
 and ``format`` (the share of tool-call attempts that were well formed: parseable, a known tool,
 valid arguments; 0 for a rollout that never calls a tool, so answering blind earns nothing).
 ``bm25_baseline`` answers each question from BM25's top hit for the raw question.
@@ -196,9 +196,17 @@ def normalise(text: str) -> str:
     return text.removesuffix("()")
 
 
-def token_f1(prediction: str, truth: str) -> float:
-    """SQuAD-style F1 over the words (``\\w+``) of the normalised texts."""
-    predicted, expected = re.findall(r"\w+", normalise(prediction)), re.findall(r"\w+", normalise(truth))
+def token_f1(prediction: str, truth: str, given: str = "") -> float:
+    """SQuAD-style F1 over the words (``\\w+``) of the normalised texts, leaving out of both the
+    words of ``given`` (the question): restating the question earns no partial credit (RL found
+    that echoing it scored a little F1 through the module name a question mentions)."""
+    def words(text: str) -> list[str]:
+        return re.findall(r"\w+", normalise(text))
+
+    known = set(words(given))
+    predicted, expected = [w for w in words(prediction) if w not in known], [w for w in words(truth) if w not in known]
+    if not expected:  # the question holds the whole answer: plain F1
+        predicted, expected = words(prediction), words(truth)
     common = sum((Counter(predicted) & Counter(expected)).values())
     if common == 0:
         return float(predicted == expected)
@@ -336,7 +344,8 @@ class Search(SQLiteApp):
         answer, truth = state.answer or "", state.task["answer"]
         attempts = state.counters["tool_calls"] + state.counters["tool_errors/malformed"]
         well_formed = attempts - sum(state.counters[key] for key in FORMAT_ERRORS)
-        return {"exact": float(normalise(answer) == normalise(truth)), "answer_f1": token_f1(answer, truth),
+        return {"exact": float(normalise(answer) == normalise(truth)),
+                "answer_f1": token_f1(answer, truth, state.task["prompt"]),
                 "read_source": float(state.task["source"] in state.data["reads"]),
                 "searched": float(bool(state.data["searches"])),
                 "format": well_formed / attempts if attempts else 0.0}
@@ -360,7 +369,7 @@ def bm25_baseline(env: Search, tasks: list[Task]) -> dict[str, Any]:
     for task in tasks:
         answer, top = baseline_answer(env, task)
         rows.append((task["kind"], float(normalise(answer) == normalise(task["answer"])),
-                     token_f1(answer, task["answer"]), float(top == task["source"])))
+                     token_f1(answer, task["answer"], task["prompt"]), float(top == task["source"])))
     out: dict[str, Any] = {"n": len(rows)}
     for kind in (None, *KINDS):
         own = [r for r in rows if kind is None or r[0] == kind]
