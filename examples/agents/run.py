@@ -297,9 +297,9 @@ def write_doc(results: list[EnvResult], doc: Path, image: Path, runs: Path) -> N
                   f"Wall time: {result.seconds / 60:.1f} min ({phases}).", ""]
     total = whole_run(runs)
     if total:
-        parts += [f"The whole example took {total['seconds'] / 60:.1f} min of wall time on this machine "
-                  f"({os.cpu_count()} CPU cores, envs {total['env']}, {total['jobs']} at a time, each with its "
-                  "share of the cores; a phase's minutes above are its own wall time).", ""]
+        parts += [f"The newest invocation (envs {total['env']}, {total['jobs']} at a time, phases finished "
+                  f"earlier kept) took {total['seconds'] / 60:.1f} min of wall time on this machine "
+                  f"({os.cpu_count()} CPU cores); a phase's minutes above are its own wall time.", ""]
     parts += [f"![held-out success vs RL step]({image.relative_to(doc.parent).as_posix()})", "",
               "The machine-readable lines the example ends with:", "", "```"]
     parts += [result.line() for result in results]
