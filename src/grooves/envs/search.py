@@ -26,8 +26,9 @@ from disjoint documents (one document in four is heldout).
 
 Score components, each in [0, 1]: ``exact`` (normalised exact match), ``answer_f1`` (token
 F1 over the words the question does not contain), ``read_source`` (the source document was
-read), ``searched`` (at least one search ran) and ``format`` (the share of tool-call attempts that were well formed: parseable, a known tool,
-valid arguments; 0 for a rollout that never calls a tool, so answering blind earns nothing).
+read), ``searched`` (at least one search ran) and ``format`` (the share of tool-call attempts
+that were well formed: parseable, a known tool, valid arguments; 0 for a rollout that never
+calls a tool, so answering blind earns nothing).
 ``bm25_baseline`` answers each question from BM25's top hit for the raw question.
 """
 
