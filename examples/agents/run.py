@@ -341,9 +341,9 @@ def main() -> None:
     parser.add_argument("--doc", type=Path, default=Path("docs/agents.md"))
     parser.add_argument("--image", type=Path, default=Path("docs/img/agents_success.png"))
     parser.add_argument("--report", action="store_true", help="only rewrite the report from the runs there are")
-    parser.add_argument("--jobs", type=int, default=2, help="envs trained at the same time, each with its share "
-                        "of the CPU cores and its output in RUNS/ENV.log (default 2; 1: one after another, "
-                        "output here)")
+    parser.add_argument("--jobs", type=int, default=1, help="envs trained at the same time, each with its share "
+                        "of the CPU cores and its output in RUNS/ENV.log (default 1: one after another, "
+                        "output here; the timings in docs/agents.md are for 1)")
     args = parser.parse_args()
     envs = [e for e in args.envs.split(",") if e]
     unknown = sorted(set(envs) - set(ENVS))
