@@ -79,14 +79,15 @@ def finished(run_dir: Path, steps: int) -> bool:
     return metrics.exists() and any(row["step"] >= steps for row in read_metrics(metrics))
 
 
-def run_phase(env: str, suffix: str, command: str, runs: Path, threads: int | None, log) -> bool:
+def run_phase(env: str, suffix: str, command: str, runs: Path, threads: int | None, log) -> str:
     """One grooves command, resumed when its run folder exists; its wall time goes to timings.jsonl.
-    With ``threads``, the command's torch uses that many threads. False when it failed."""
+    With ``threads``, the command's torch uses that many threads. Returns "kept" (finished earlier),
+    "ran" or "failed"."""
     config = load(env, suffix)
     run_dir = runs / config.name
     if finished(run_dir, config.steps):
         say(f"{config.name}: finished earlier, kept")
-        return True
+        return "kept"
     argv = [grooves_command(), command, os.path.relpath(config_path(env, suffix)),
             "--runs", str(runs)]
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step-*")):
@@ -103,15 +104,21 @@ def run_phase(env: str, suffix: str, command: str, runs: Path, threads: int | No
     if code != 0:
         say(f"{config.name}: grooves {command} exited with {code}; fix the cause and run this again "
             f"(finished steps are kept)")
-        return False
+        return "failed"
     say(f"{config.name}: done in {seconds / 60:.1f} min")
-    return True
+    return "ran"
 
 
-def run_env(env: str, runs: Path, threads: int | None, to_file: bool) -> bool:
+def run_env(env: str, runs: Path, threads: int | None, to_file: bool) -> list[str]:
+    """Each phase's outcome (see run_phase), stopping at the first that failed."""
     log = (runs / f"{env}.log").open("a") if to_file else None
+    results = []
     try:
-        return all(run_phase(env, suffix, command, runs, threads, log) for suffix, command in PHASES)
+        for suffix, command in PHASES:
+            results.append(run_phase(env, suffix, command, runs, threads, log))
+            if results[-1] == "failed":
+                break
+        return results
     finally:
         if log:
             log.close()
@@ -297,9 +304,12 @@ def write_doc(results: list[EnvResult], doc: Path, image: Path, runs: Path) -> N
                   f"Wall time: {result.seconds / 60:.1f} min ({phases}).", ""]
     total = whole_run(runs)
     if total:
-        parts += [f"The newest invocation (envs {total['env']}, {total['jobs']} at a time, phases finished "
-                  f"earlier kept) took {total['seconds'] / 60:.1f} min of wall time on this machine "
-                  f"({os.cpu_count()} CPU cores); a phase's minutes above are its own wall time.", ""]
+        kept = total.get("kept")
+        how = ("every phase run in it" if kept == 0 else
+               f"{kept} phases finished earlier kept" if kept else "phases finished earlier kept")
+        parts += [f"The newest invocation (envs {total['env']}, {total['jobs']} at a time, {how}) took "
+                  f"{total['seconds'] / 60:.1f} min of wall time on this machine ({os.cpu_count()} CPU cores); "
+                  "a phase's minutes above are its own wall time.", ""]
     parts += [f"![held-out success vs RL step]({image.relative_to(doc.parent).as_posix()})", "",
               "The machine-readable lines the example ends with:", "", "```"]
     parts += [result.line() for result in results]
@@ -355,12 +365,14 @@ def main() -> None:
         jobs = max(1, min(args.jobs, len(envs)))
         threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
         with ThreadPoolExecutor(jobs) as pool:
-            ok = list(pool.map(lambda env: run_env(env, args.runs, threads, jobs > 1), envs))
+            results = [r for per_env in pool.map(lambda env: run_env(env, args.runs, threads, jobs > 1), envs)
+                       for r in per_env]
         seconds = round(time.time() - started, 1)
         say(f"training done in {seconds / 60:.1f} min")
         with (args.runs / "timings.jsonl").open("a") as handle:
-            handle.write(json.dumps({"env": ",".join(envs), "phase": "all", "jobs": jobs, "seconds": seconds}) + "\n")
-        if not all(ok):
+            handle.write(json.dumps({"env": ",".join(envs), "phase": "all", "jobs": jobs, "seconds": seconds,
+                                     "kept": results.count("kept")}) + "\n")
+        if "failed" in results:
             sys.exit(1)
     report(envs, args.runs, args.doc, args.image)
 
