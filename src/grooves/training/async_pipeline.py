@@ -6,6 +6,8 @@ the adapter version that copy holds:
 - ``LocalRollouts`` in this process: the trainer's own policy (the synchronous loop) or a
   sampler copy of it whose adapter weights are replaced between batches (the async loop: the
   sampler never reads parameters while the optimizer writes them);
+- ``grooves.training.sampler_process.ProcessRollouts``: a child process with a sampler copy
+  (``train.async_sampler = "process"``);
 - ``grooves.training.ray_workers.RayRollouts``: Ray actors, each with a sampler copy.
 
 A *pipeline* hands the loop the batch of each step. ``SyncPipeline`` collects it when asked

@@ -117,6 +117,14 @@ class TrainConfig(_Section):
                                       "the current update; each trajectory records the adapter version that sampled "
                                       "it, and ones more than k updates old are left out and counted "
                                       "(rollout/dropped_stale). 0 = the synchronous loop. See docs/scale.md.")
+    async_sampler: Literal["thread", "process"] = Field("thread", description="Where the async pipeline "
+                                                         "(max_off_policy_steps >= 1) samples in a run without "
+                                                         "[ray]: 'thread', a sampler copy of the policy in this "
+                                                         "process; 'process', a child process with its own copy "
+                                                         "and half the torch threads, so decoding does not wait "
+                                                         "for the trainer's interpreter (faster on a CPU; a "
+                                                         "Python script using it needs the "
+                                                         "`if __name__ == \"__main__\":` guard).")
     minibatches: int = Field(1, ge=1, description="Optimizer steps per rollout batch: the batch is split "
                              "in order into this many near-equal mini-batches, each its own "
                              "AdamW step, so the PPO/GSPO/CISPO clip acts after the first; the old logprobs are "
@@ -227,6 +235,9 @@ class RunConfig(_Section):
         names = [m.name for m in self.mix]
         if len(set(names)) != len(names):
             raise ValueError(f"[[mix]] names must be unique: {names}")
+        if self.backend is not None and self.train.async_sampler == "process":
+            raise ValueError("train.async_sampler = 'process' loads the model in a child process, but with "
+                             "[backend] the service samples: leave it at 'thread'")
         return self
 
     @field_validator("algorithm", mode="before")

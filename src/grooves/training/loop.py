@@ -153,6 +153,11 @@ class TrainingRun:
             from grooves.training.ray_workers import RayRollouts
 
             rollouts = RayRollouts(self.config, self.policy, self.sets, group_size, self.sampling, self.config.ray)
+        elif k > 0 and self.config.train.async_sampler == "process":
+            from grooves.training.sampler_process import ProcessRollouts
+
+            rollouts = ProcessRollouts(self.config, self.policy, self.sets, group_size, self.sampling,
+                                       runs=self.run_dir.parent)
         else:
             rollouts = LocalRollouts(self.policy, self.sets, group_size, self.sampling, self.generator, copy=k > 0)
         self.rollouts = rollouts

@@ -1,0 +1,115 @@
+"""The async pipeline's sampler in a child process (train.async_sampler = "process"), tiny model."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from grooves.rewards.compose import RewardReport
+from grooves.tasks.sources import TaskSourceError
+from grooves.training import run_config
+from grooves.training.api import load_policy, task_sets
+from grooves.training.async_pipeline import LocalRollouts, adapter_state
+from grooves.training.sampler_process import ProcessRollouts
+from test_async import async_config, rows, versions_in_store
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """A config, the trainer's policy with its adapter moved off its start, and the task sets."""
+    config = async_config(tmp_path, k=1, async_sampler="process")
+    policy = load_policy(config)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return config, policy, task_sets(config)
+
+
+def sample(rollouts, sets, step=1):
+    drawn = [(sets[0], task) for task in sets[0].train[:2]]
+    reports = {s.name: RewardReport() for s in sets}
+    groups = rollouts.rollout(drawn, step, 0, reports)
+    return [[t.completion_ids for t in g.trajectories] for g in groups], groups, reports
+
+
+def test_the_child_samples_what_this_process_would_from_the_same_weights_and_seed(setup):
+    """The weights sent after an update are the ones the child samples from: its completions equal
+    this process's from the same adapter with the generator the child seeds for that step."""
+    config, policy, sets = setup
+    rollouts = ProcessRollouts(config, policy, sets, 4, sampling(config))
+    try:
+        rollouts.apply(1, adapter_state(policy))
+        theirs, groups, reports = sample(rollouts, sets)
+    finally:
+        rollouts.close()
+    generator = torch.Generator().manual_seed(random.Random(f"{config.seed}:1:0").getrandbits(63))
+    local = LocalRollouts(policy, sets, 4, sampling(config), generator)
+    local.apply(1, None)
+    ours, _, _ = sample(local, sets)
+    assert theirs == ours and any(any(ids) for g in ours for ids in g)
+    assert {t.policy_version for g in groups for t in g.trajectories} == {1}
+    assert all(t.reward == t.reward for g in groups for t in g.trajectories)  # scored in the child
+    assert reports[sets[0].name].calls  # and its counts came back
+
+
+def test_a_killed_child_is_started_again_with_the_newest_weights(setup):
+    config, policy, sets = setup
+    rollouts = ProcessRollouts(config, policy, sets, 4, sampling(config))
+    try:
+        rollouts.apply(1, adapter_state(policy))
+        before, _, _ = sample(rollouts, sets)
+        os.kill(rollouts._process.pid, signal.SIGKILL)
+        rollouts._process.join()
+        after, _, _ = sample(rollouts, sets)
+        assert rollouts.replaced == 1
+        assert after == before  # same weights, same seed for the step: the same completions
+    finally:
+        rollouts.close()
+    assert rollouts._process is None
+
+
+def test_an_error_in_the_child_reaches_the_trainer_with_its_traceback(setup):
+    config, policy, sets = setup
+    rollouts = ProcessRollouts(config, policy, sets, 4, sampling(config))
+    try:
+        reports = {s.name: RewardReport() for s in sets}
+        with pytest.raises(TaskSourceError) as raised:
+            rollouts.rollout([(sets[0], {"id": "broken"})], 1, 0, reports)  # no "text" for the template
+        assert "in the sampler process" in "".join(raised.value.__notes__)
+        ok, _, _ = sample(rollouts, sets)  # the child goes on serving
+        assert ok and rollouts.replaced == 0
+    finally:
+        rollouts.close()
+
+
+def test_an_async_run_with_a_sampler_process_trains_within_k(tmp_path):
+    config = async_config(tmp_path, steps=3, k=1, async_sampler="process")
+    run = run_config(config, out=tmp_path / "proc", progress=False)
+    by_step = rows(run)
+    assert run.step == 3
+    assert by_step[1]["rollout/policy_version"] == 0
+    for step in (2, 3):
+        assert by_step[step]["rollout/staleness/max"] <= 1
+        assert by_step[step]["rollout/dropped_stale"] == 0
+        assert by_step[step]["rollout/workers_replaced"] == 0
+    assert {v for _, v in versions_in_store(tmp_path / "proc")} <= {0, 1, 2}
+
+
+def sampling(config):
+    from grooves.policy.sampler import Sampling
+
+    s = config.sampling
+    return Sampling(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_completion_length)
+
+
+def test_a_sampler_process_with_a_backend_is_a_config_error():
+    from grooves.training.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="async_sampler = 'process'"):
+        parse_config({"backend": {"url": "http://127.0.0.1:1"},
+                      "train": {"max_off_policy_steps": 1, "async_sampler": "process"}})
