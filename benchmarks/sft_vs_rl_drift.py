@@ -60,7 +60,7 @@ def rl_run(root: Path, args) -> list[tuple[int, float]]:
     config.log.val_size, config.log.tensorboard = args.heldout, False
     if args.quick:
         config.train.group_size, config.train.tasks_per_step = 4, 1
-    run_config(config, runs=root, progress=False)
+    run_config(config, runs=root)  # its progress (steps, ETA) on stderr
     rows = [json.loads(line) for line in (root / "drift-rl" / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["val/reward/total"]) for r in rows if "val/reward/total" in r]
 
@@ -88,7 +88,7 @@ def sft_run(root: Path, train: Path, heldout: Path, args) -> Path:
         "optim": {"learning_rate": args.sft_lr, "micro_batch_size": 4},
         "log": {"save_every": args.sft_every, "val_every": args.sft_every, "val_size": 16, "tensorboard": False},
     }, SFTConfig)
-    run_sft_config(config, runs=root, progress=False)
+    run_sft_config(config, runs=root)
     return root / "drift-sft"
 
 
