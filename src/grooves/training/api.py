@@ -174,12 +174,33 @@ def train(
                                            for c in reward.components]),
     }
     config = RunConfig.model_validate({**base.model_dump(), **{k: v for k, v in updates.items()}})
+    _check_rebuildable(config, tasks, heldout)
     t = config.tasks
     train_tasks, heldout_tasks = task_splits(tasks, heldout, t.heldout_fraction, config.seed)
     sets = [TaskSet("", train_tasks, heldout_tasks, reward, t.prompt_template, t.system)]
     share_backbones(sets, policy)
     return TrainingRun(config, policy, sets, runs_root(runs) / config.name, resume=resume, progress=progress,
                        resume_command=f"gr.train(..., name={config.name!r}, resume=True)").run()
+
+
+def _check_rebuildable(config: RunConfig, tasks: Any, heldout: Any) -> None:
+    """Ray workers and a sampler process build the tasks and the reward from the config alone:
+    say so before training when what was passed from Python cannot be rebuilt that way."""
+    where = ("[ray] rollout workers" if config.ray is not None else
+             "the sampler process (train.async_sampler = 'process')"
+             if config.train.max_off_policy_steps > 0 and config.train.async_sampler == "process" else None)
+    if where is None:
+        return
+    problems = [f"{name} is a {type(value).__name__}" for name, value in (("tasks", tasks), ("heldout", heldout))
+                if value is not None and not isinstance(value, (str, Path))]
+    try:
+        build_reward(config.reward)
+    except Exception as error:  # noqa: BLE001 - reported below
+        problems.append(f"the reward cannot be imported by name ({error})")
+    if problems:
+        raise ValueError(f"{where} build the tasks and the reward from the config in another process, so "
+                         f"tasks must be a builtin name or a file path and reward functions importable "
+                         f"module-level functions: {'; '.join(problems)}")
 
 
 def _describe(source: Any) -> str:
