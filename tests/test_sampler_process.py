@@ -113,3 +113,65 @@ def test_a_sampler_process_with_a_backend_is_a_config_error():
     with pytest.raises(ConfigError, match="async_sampler = 'process'"):
         parse_config({"backend": {"url": "http://127.0.0.1:1"},
                       "train": {"max_off_policy_steps": 1, "async_sampler": "process"}})
+
+
+def test_python_tasks_with_a_sampler_process_are_refused_before_training(tmp_path):
+    import grooves as gr
+
+    policy = gr.Policy.load("tiny", lora=gr.LoRA(rank=4), seed=0)
+    with pytest.raises(ValueError, match="sampler process.*tasks is a list.*reward cannot be imported"):
+        gr.train(policy, tasks=[{"prompt": "say 1"}, {"prompt": "say 2"}], reward=lambda completion: 1.0,
+                 steps=1, group_size=2, runs=tmp_path, progress=False,
+                 config={"train": {"max_off_policy_steps": 1, "async_sampler": "process"}})
+    assert not any(tmp_path.iterdir())  # refused before a run folder was made
+
+
+def test_grooves_train_lets_openmp_sleep_when_the_sampler_is_a_process(tmp_path, monkeypatch):
+    from grooves.cli import _passive_openmp_for_a_sampler_process as prefer_passive
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "unset by the test")  # so that teardown removes what the call sets
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    thread = tmp_path / "thread.toml"
+    thread.write_text("[train]\nmax_off_policy_steps = 1\n")
+    synchronous = tmp_path / "sync.toml"
+    synchronous.write_text('[train]\nasync_sampler = "process"\n')
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[train\n")
+    for path in (thread, synchronous, broken, tmp_path / "missing.toml"):
+        prefer_passive(path)
+        assert "OMP_WAIT_POLICY" not in os.environ, path.name
+    process = tmp_path / "process.toml"
+    process.write_text('[train]\nmax_off_policy_steps = 1\nasync_sampler = "process"\n')
+    prefer_passive(process)
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own setting wins
+    prefer_passive(process)
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_the_cli_has_not_loaded_torch_when_a_command_starts():
+    """OpenMP's wait policy is read when torch loads: the CLI must not have imported it before train runs."""
+    import subprocess
+    import sys
+
+    code = "import sys, grooves.cli; assert 'torch' not in sys.modules, 'grooves.cli imported torch'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_sampler_process_on_spinning_openmp_threads_is_warned_about(setup, monkeypatch):
+    import warnings
+
+    config, policy, sets = setup
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the trainer's intra-op threads are what spin
+    try:
+        monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+        with pytest.warns(UserWarning, match="OMP_WAIT_POLICY=PASSIVE"):
+            ProcessRollouts(config, policy, sets, 4, sampling(config), threads=1).close()
+        monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ProcessRollouts(config, policy, sets, 4, sampling(config), threads=1).close()
+    finally:
+        torch.set_num_threads(threads)

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import io
 import multiprocessing
+import os
 import random
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -101,6 +103,11 @@ class ProcessRollouts:
         self.sets = sets
         self.seed = config.seed
         threads = threads or max(1, torch.get_num_threads() // 2)
+        if (policy.device.type == "cpu" and torch.get_num_threads() > 1
+                and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"):
+            warnings.warn("the sampler process shares the CPU with this trainer, whose idle OpenMP threads "
+                          "spin on the cores it needs: set OMP_WAIT_POLICY=PASSIVE in the environment before "
+                          "torch is imported (grooves train does; docs/scale.md)", stacklevel=2)
         self._args = (config, None if runs is None else str(runs), group_size, sampling, threads)
         self.version = 0
         self._state: bytes | None = None  # the newest adapter weights, as torch.save wrote them
