@@ -1,5 +1,9 @@
 """Throughput of the synchronous loop, the async pipeline (k = 1) and Ray with 2 workers, in one run.
 
+The async mode measured (``async_spm``) samples in a child process (``train.async_sampler =
+"process"``); async k = 1 with a sampler thread in the trainer's process is run as well and
+printed beside it (``--no-thread`` leaves it out).
+
 The task is the demo's (titles, the bundled SmolLM2-135M-Instruct, LoRA rank 8); the reward is
 the demo's title verifier plus a pointwise LLM judge served on 127.0.0.1 that answers every
 request after a fixed 300 ms (its score: how close the title is to 6 words), with at most
@@ -18,15 +22,29 @@ difference. The last line is machine-readable:
     python benchmarks/scale.py                # the recorded setting (docs/benchmarks.md)
     python benchmarks/scale.py --quick        # a smoke check on the tiny random-weight model
 
-On 2 cores the sampler thread and the trainer thread each run torch's intra-op threads;
-``--async-threads 1`` gives each of them one (the other modes keep torch's default).
+The judge runs in a process of its own, as a judge service would: served from a thread of the
+trainer's process, it would share the trainer's interpreter lock with the update.
+
+Each mode trains in a fresh process with the environment ``grooves train`` would give it: the
+sampler-process mode with ``OMP_WAIT_POLICY=PASSIVE`` (unless the variable is set already),
+the others with OpenMP's default. On a CPU the trainer's idle OpenMP threads otherwise spin on
+the cores the sampler process needs, while the synchronous loop is slower with ``PASSIVE``
+(its two threads sleep and wake between every small kernel). See docs/scale.md.
+
+The sampler process runs half of torch's threads (one on 2 cores). ``--async-threads N`` sets
+the trainer's torch threads (and a sampler thread's) in the async runs; the other modes keep
+torch's default.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
+import multiprocessing
+import os
+import subprocess
 import re
 import statistics
 import sys
@@ -63,7 +81,31 @@ def judge_app(delay: float) -> FastAPI:
     return app
 
 
-def config_for(args, judge_url: str, name: str, k: int, ray: bool):
+def serve_judge(urls) -> None:
+    """The judge's own process: serve until killed, after putting its URL on ``urls``."""
+    with ServerThread(judge_app(JUDGE_DELAY_S)) as judge:
+        urls.put(judge.base_url)
+        while True:
+            time.sleep(3600)
+
+
+class JudgeProcess:
+    """The 300 ms judge, served on 127.0.0.1 from a spawned process."""
+
+    def __enter__(self) -> JudgeProcess:
+        context = multiprocessing.get_context("spawn")
+        urls = context.Queue()
+        self.process = context.Process(target=serve_judge, args=(urls,), name="judge", daemon=True)
+        self.process.start()
+        self.base_url = urls.get(timeout=120)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.kill()
+        self.process.join()
+
+
+def config_for(args, judge_url: str, name: str, k: int, ray: bool, sampler: str):
     from grooves.training.config import parse_config
 
     data = {
@@ -79,7 +121,8 @@ def config_for(args, judge_url: str, name: str, k: int, ray: bool):
         "algorithm": {"preset": "grpo"},
         "sampling": {"max_completion_length": args.max_new},
         "optim": {"learning_rate": args.lr},
-        "train": {"group_size": args.group, "tasks_per_step": args.tasks, "max_off_policy_steps": k},
+        "train": {"group_size": args.group, "tasks_per_step": args.tasks, "max_off_policy_steps": k,
+                  "async_sampler": sampler},
         "log": {"save_every": args.steps, "val_every": 10_000, "val_size": 0, "tensorboard": False,
                 "kl_every": 0},
         "monitors": {"enabled": False},  # the same for every mode; the tiny model's gibberish trips them
@@ -89,27 +132,68 @@ def config_for(args, judge_url: str, name: str, k: int, ray: bool):
     return parse_config(data)
 
 
-def train(args, judge_url: str, runs: Path, name: str, k: int, ray: bool = False):
-    """Train one mode; return (steps per minute over steps 2..N, the trained policy, its task set)."""
+MODES = {  # name: (max_off_policy_steps, Ray, train.async_sampler)
+    "sync": (0, False, "thread"),
+    "async": (1, False, "process"),
+    "thread": (1, False, "thread"),
+    "ray2": (1, True, "thread"),
+}
+
+
+def train(args, runs: Path, name: str) -> dict:
+    """Train one mode in this process; return its steps per minute over steps 2..N and medians."""
     from grooves.training.api import load_policy, task_sets
     from grooves.training.loop import TrainingRun
 
-    config = config_for(args, judge_url, name, k, ray)
-    sets = task_sets(config)
-    policy = load_policy(config)
-    run = TrainingRun(config, policy, sets, runs / name, progress=False).run()
+    k, ray, sampler = MODES[name]
+    if k and args.async_threads:
+        torch.set_num_threads(args.async_threads)
+    config = config_for(args, args.judge_url, name, k, ray, sampler)
+    if ray:
+        import ray as ray_module
+
+        ray_module.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+                        logging_level="warning")
+    try:
+        run = TrainingRun(config, load_policy(config), task_sets(config), runs / name).run()  # progress on stderr
+    finally:
+        if ray:
+            ray_module.shutdown()
     times = [row["train/total_step_time"] for row in run.metrics if row["step"] >= 2]
     waits = [row.get("train/wait_time", math.nan) for row in run.metrics if row["step"] >= 2]
-    spm = 60.0 * len(times) / sum(times)
-    print(f"{name:>6}: {spm:6.2f} steps/min  (step {statistics.median(times):.2f} s median, "
-          f"waiting for rollouts {statistics.median(waits):.2f} s median)", flush=True)
-    return spm, policy, sets[0]
+    return {"spm": 60.0 * len(times) / sum(times), "step": statistics.median(times),
+            "wait": statistics.median(waits)}
 
 
-def heldout(args, policy, task_set) -> list[float]:
+def measure(args, runs: Path, name: str) -> float:
+    """Train one mode in a fresh process (its own OpenMP settings); print and return its steps per minute."""
+    variables = dict(os.environ)
+    if MODES[name][2] == "process":
+        variables.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as grooves train sets it for this config
+    argv = [sys.executable, __file__, "--mode", name, "--judge-url", args.judge_url, "--runs", str(runs),
+            "--steps", str(args.steps), "--group", str(args.group), "--tasks", str(args.tasks),
+            "--max-new", str(args.max_new), "--lr", str(args.lr), "--judge-concurrency", str(args.judge_concurrency),
+            "--async-threads", str(args.async_threads), *(["--quick"] if args.quick else [])]
+    done = subprocess.run(argv, env=variables, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the {name} mode failed (exit code {done.returncode}); its output is above")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    policy = variables.get("OMP_WAIT_POLICY", "default")
+    print(f"{name:>6}: {result['spm']:6.2f} steps/min  (step {result['step']:.2f} s median, waiting for "
+          f"rollouts {result['wait']:.2f} s median; OMP_WAIT_POLICY {policy})", flush=True)
+    return result["spm"]
+
+
+def heldout(args, runs: Path, name: str) -> list[float]:
+    """Greedy rewards of a mode's trained adapter (its last checkpoint) on the first held-out tasks."""
+    from grooves.policy import Policy
     from grooves.policy.sampler import Sampling
+    from grooves.training.api import task_sets
     from grooves.training.rollout import evaluate
 
+    k, ray, sampler = MODES[name]
+    task_set = task_sets(config_for(args, args.judge_url, name, k, ray, sampler))[0]
+    policy = Policy.load(f"{name}@{args.steps}", runs=runs)
     tasks = task_set.heldout[: args.heldout]
     sampling = Sampling(temperature=0.0, max_new_tokens=args.max_new, seed=0)
     return evaluate(policy, tasks, [task_set.render(t) for t in tasks], task_set.reward, sampling, 0).rewards
@@ -129,37 +213,36 @@ def main() -> None:
                         "(each of its two threads, the sampler's and the trainer's, uses this many; 0 = torch's default, "
                         "as for the other modes)")
     parser.add_argument("--no-ray", action="store_true", help="leave out the Ray mode (ray2_spm=nan)")
+    parser.add_argument("--no-thread", action="store_true", help="leave out async k = 1 with a sampler thread "
+                        "(the async mode measured is the sampler process)")
+    parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)  # one mode, in a child process
+    parser.add_argument("--judge-url", help=argparse.SUPPRESS)
+    parser.add_argument("--runs", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.model = "bundled:smollm2-135m-instruct"
     if args.quick:
         args.model, args.steps, args.group, args.max_new, args.heldout = "tiny", 3, 4, 8, 6
+    if args.mode:
+        print(json.dumps(train(args, args.runs, args.mode)), flush=True)
+        return
     print(f"scale: {args.model}, {args.steps} steps of {args.tasks} tasks x {args.group} samples, "
           f"{args.max_new} new tokens, judge {JUDGE_DELAY_S * 1000:.0f} ms with {args.judge_concurrency} in "
           f"flight, torch threads {torch.get_num_threads()} (async: {args.async_threads or 'the same'})", flush=True)
-    with ServerThread(judge_app(JUDGE_DELAY_S)) as judge, tempfile.TemporaryDirectory() as folder:
+    with JudgeProcess() as judge, tempfile.TemporaryDirectory() as folder:
         runs = Path(folder)
-        sync_spm, sync_policy, task_set = train(args, judge.base_url, runs, "sync", k=0)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(args.async_threads or threads)
-        async_spm, async_policy, _ = train(args, judge.base_url, runs, "async", k=1)
-        torch.set_num_threads(threads)
-        ray2_spm = math.nan
-        if not args.no_ray:
-            import ray
-
-            ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-                     logging_level="warning")
-            try:
-                ray2_spm, _, _ = train(args, judge.base_url, runs, "ray2", k=1, ray=True)
-            finally:
-                ray.shutdown()
-        a, b = heldout(args, sync_policy, task_set), heldout(args, async_policy, task_set)
+        args.judge_url = judge.base_url
+        sync_spm = measure(args, runs, "sync")
+        async_spm = measure(args, runs, "async")
+        thread_spm = math.nan if args.no_thread else measure(args, runs, "thread")
+        ray2_spm = math.nan if args.no_ray else measure(args, runs, "ray2")
+        a, b = heldout(args, runs, "sync"), heldout(args, runs, "async")
     pairs = [(x, y) for x, y in zip(a, b) if x == x and y == y]
     diffs = [y - x for x, y in pairs]
     stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
     heldout_sync = statistics.fmean(x for x, _ in pairs)
     heldout_async = statistics.fmean(y for _, y in pairs)
-    print(f"async/sync throughput: {async_spm / sync_spm:.2f}x (goal >= 1.5x); ray2/sync: "
+    print(f"async/sync throughput: {async_spm / sync_spm:.2f}x (goal >= 1.5x); with a sampler thread instead "
+          f"of a process: {thread_spm / sync_spm:.2f}x; ray2/sync: "
           f"{ray2_spm / sync_spm:.2f}x; held-out async - sync: {heldout_async - heldout_sync:+.3f} "
           f"(stderr {stderr:.3f}, {len(pairs)} tasks)")
     print(f"scale sync_spm={sync_spm:.3f} async_spm={async_spm:.3f} ray2_spm={ray2_spm:.3f} "
