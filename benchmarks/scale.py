@@ -44,9 +44,9 @@ import json
 import math
 import multiprocessing
 import os
-import subprocess
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
