@@ -122,9 +122,11 @@ class TrainConfig(_Section):
                                                          "[ray]: 'thread', a sampler copy of the policy in this "
                                                          "process; 'process', a child process with its own copy "
                                                          "and half the torch threads, so decoding does not wait "
-                                                         "for the trainer's interpreter (faster on a CPU; a "
-                                                         "Python script using it needs the "
-                                                         "`if __name__ == \"__main__\":` guard).")
+                                                         "for the trainer's interpreter (what it gains on a CPU "
+                                                         "depends on how much the synchronous step leaves the "
+                                                         "cores idle; grooves train sets OMP_WAIT_POLICY=PASSIVE "
+                                                         "for it; a Python script using it needs the "
+                                                         "`if __name__ == \"__main__\":` guard). See docs/scale.md.")
     minibatches: int = Field(1, ge=1, description="Optimizer steps per rollout batch: the batch is split "
                              "in order into this many near-equal mini-batches, each its own "
                              "AdamW step, so the PPO/GSPO/CISPO clip acts after the first; the old logprobs are "
