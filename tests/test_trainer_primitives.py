@@ -1,8 +1,13 @@
 """Trainer primitives: forward_backward / optim_step / publish, and train_step on top of them.
 
-``tests/data/train_step_reference.pt`` holds adapters and metrics that ``train_step`` produced
-*before* it was rebuilt on the primitives (made by ``make_reference`` below on that code), so the
-rebuilt path is held to the old one within 1e-6.
+``tests/data/train_step_reference_float64.pt`` holds adapters and metrics that ``train_step``
+produced *before* it was rebuilt on the primitives (made by ``make_reference`` below on that code,
+commit 38cb918), so the rebuilt path is held to the old one within 1e-6.
+
+The reference model runs in float64. A float32 reference (``train_step_reference.pt``, made on a
+CPU with AVX-512) did not carry to another CPU: on an AVX2-only AMD EPYC, the same code's float32
+rounding differed, and through two AdamW steps at lr 1e-2 (and PPO's clip) the adapters came out
+up to 3e-4 apart. In float64 the two paths' rounding stays far below the tolerance on any CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from grooves.training.config import OptimConfig
 from grooves.training.trainer import Trainer
 from grooves.types import Group, Trajectory
 
-REFERENCE = Path(__file__).parent / "data" / "train_step_reference.pt"
+REFERENCE = Path(__file__).parent / "data" / "train_step_reference_float64.pt"
 
 # name -> (algorithm, optim, trainer options); each runs two train_steps on the fixed groups
 CASES = {
@@ -58,8 +63,8 @@ def fixed_groups(step: int) -> list[Group]:
     return groups
 
 
-def fresh_policy() -> Policy:
-    policy = Policy.load("tiny", lora=LoRA(rank=4), seed=0)
+def fresh_policy(dtype: torch.dtype = torch.float32) -> Policy:
+    policy = Policy.load("tiny", lora=LoRA(rank=4), seed=0, dtype=dtype)
     with torch.no_grad():  # a non-zero B so that every LoRA matrix gets a gradient
         for name, param in policy.model.named_parameters():
             if "lora_B" in name:
@@ -69,7 +74,7 @@ def fresh_policy() -> Policy:
 
 def run_case(name: str) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
     alg, optim, options = CASES[name]
-    policy = fresh_policy()
+    policy = fresh_policy(torch.float64)  # see the module doc
     trainer = Trainer(policy, alg, optim, max_completion_length=6, total_steps=2, **options)
     metrics = [trainer.train_step(fixed_groups(step)) for step in range(2)]
     adapter = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
@@ -77,8 +82,8 @@ def run_case(name: str) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]
 
 
 def make_reference() -> None:
-    """Was run on the code before the refactor (commit 38cb918):
-    ``python -c 'import tests.test_trainer_primitives as t; t.make_reference()'``."""
+    """Was run on the code before the refactor (commit 38cb918, its own test file with a float64
+    ``fresh_policy``): ``python -c 'import tests.test_trainer_primitives as t; t.make_reference()'``."""
     torch.save({name: run_case(name) for name in CASES}, REFERENCE)
 
 
@@ -150,7 +155,7 @@ def test_rows_without_an_advantage_are_not_run_and_the_update_is_the_same(monkey
 
 
 def fresh_policy_state() -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in fresh_policy().model.named_parameters() if p.requires_grad}
+    return {n: p.detach().clone() for n, p in fresh_policy(torch.float64).model.named_parameters() if p.requires_grad}
 
 
 # --- the primitives ----------------------------------------------------------------
