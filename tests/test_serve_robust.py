@@ -192,7 +192,13 @@ def test_one_log_line_per_request_without_prompt_or_key(client, caplog):
                                            messages=[{"role": "user", "content": "my secret words"}])
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
-    lines = [r.getMessage() for r in caplog.records if r.name == "grooves.serve"]
+    # the server logs a request once its response is sent, so the client can be back first
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [r.getMessage() for r in caplog.records if r.name == "grooves.serve"]
+        if any(line.startswith("GET /v1/models/no-such-model") for line in lines) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     chat = [line for line in lines if line.startswith("POST /v1/chat/completions")]
     assert chat == [f"POST /v1/chat/completions model=tiny prompt_tokens={reply.usage.prompt_tokens} "
                     f"completion_tokens={reply.usage.completion_tokens} status=200 " + chat[0].split()[-1]]
