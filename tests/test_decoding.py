@@ -123,6 +123,63 @@ def test_packed_linears_decode_like_the_plain_path(monkeypatch):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
 
 
+def test_the_adapter_folded_into_the_packed_weights_decodes_like_the_plain_path(monkeypatch):
+    """The training sampler's adapter is folded into the packed copies (W + scale * B @ A): greedy
+    tokens as the plain path, logprobs within float rounding; after a fused AdamW step (which
+    does not bump the tensors' versions) the fold follows the new values; a batch on the base
+    model is not folded; a layer never holds two packed copies at once."""
+    from grooves.policy import decoding
+
+    policy = Policy.load("tiny", lora=LoRA(rank=4, alpha=8), seed=2)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    prompt = policy.chat_ids([{"role": "user", "content": "hello there"}])
+    rows = lambda adapter=None: [Row(prompt, temperature=0, max_new_tokens=12, ignore_eos=True,  # noqa: E731
+                                     adapter=adapter)]
+    folds = []
+    real_folded = decoding._folded
+    monkeypatch.setattr(decoding, "_folded", lambda *a: folds.append(a[1]) or real_folded(*a))
+
+    def plain(adapter=None):
+        monkeypatch.setattr(decoding, "PACK_LINEARS", False)
+        try:
+            return decode(policy, rows(adapter))[0]
+        finally:
+            monkeypatch.setattr(decoding, "PACK_LINEARS", True)
+
+    def assert_alike(a, b):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+    folded = decode(policy, rows())[0]
+    lora_layers = {id(layer) for _, _, layer in decoding._lora_layers(policy.causal_lm, "default")}
+    assert lora_layers and set(map(id, folds)) == lora_layers  # every LoRA layer ran folded
+    assert_alike(folded, plain())
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=0.05, fused=True)
+    versions = [p._version for p in params]
+    policy.model.train()
+    policy.causal_lm(torch.tensor([prompt])).logits.sum().backward()
+    policy.model.eval()
+    optimizer.step()
+    assert [p._version for p in params] == versions  # the case the value comparison is there for
+    after = decode(policy, rows())[0]
+    assert_alike(after, plain())
+    assert after.logprobs != folded.logprobs
+
+    base = decode(policy, rows(BASE_ADAPTER))[0]
+    assert_alike(base, plain(BASE_ADAPTER))
+    assert base.token_ids != folded.token_ids  # the adapter matters, so the fold was tested
+    folds.clear()
+    assert_alike(decode(policy, rows("default"))[0], plain())  # a server's rows name their adapter:
+    assert folds == []  # not folded, so a base batch and an adapter batch do not pack in turn
+    assert not any(isinstance(m, decoding.PackedLinear) for m in policy.causal_lm.modules())  # swapped back
+    for _, _, layer in decoding._lora_layers(policy.causal_lm, "default"):  # one packed copy per layer
+        assert (id(layer) in policy._packed_linears) != (id(layer.base_layer) in policy._packed_linears)
+
+
 def test_prompts_that_begin_alike_prefill_their_common_beginning_once(monkeypatch):
     """An agent env's tasks share a long system prompt: it runs once, and every row decodes as it
     would alone (greedy tokens equal, logprobs within float rounding); a row asking to keep its KV
