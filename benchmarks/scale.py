@@ -31,6 +31,10 @@ the others with OpenMP's default. On a CPU the trainer's idle OpenMP threads oth
 the cores the sampler process needs, while the synchronous loop is slower with ``PASSIVE``
 (its two threads sleep and wake between every small kernel). See docs/scale.md.
 
+A last run trains the synchronous loop on one torch thread (``--no-ceiling`` leaves it out):
+its generation and update times give the most any overlap of the two can gain on this
+machine's cores, printed as the ``ceiling`` line (see ``ceiling``).
+
 The sampler process runs half of torch's threads (one on 2 cores). ``--async-threads N`` sets
 the trainer's torch threads (and a sampler thread's) in the async runs; the other modes keep
 torch's default.
@@ -134,6 +138,7 @@ def config_for(args, judge_url: str, name: str, k: int, ray: bool, sampler: str)
 
 MODES = {  # name: (max_off_policy_steps, Ray, train.async_sampler)
     "sync": (0, False, "thread"),
+    "sync1": (0, False, "thread"),  # the synchronous loop on one torch thread: the ceiling's costs
     "async": (1, False, "process"),
     "thread": (1, False, "thread"),
     "ray2": (1, True, "thread"),
@@ -148,6 +153,8 @@ def train(args, runs: Path, name: str) -> dict:
     k, ray, sampler = MODES[name]
     if k and args.async_threads:
         torch.set_num_threads(args.async_threads)
+    if name == "sync1":
+        torch.set_num_threads(1)
     config = config_for(args, args.judge_url, name, k, ray, sampler)
     if ray:
         import ray as ray_module
@@ -159,14 +166,19 @@ def train(args, runs: Path, name: str) -> dict:
     finally:
         if ray:
             ray_module.shutdown()
-    times = [row["train/total_step_time"] for row in run.metrics if row["step"] >= 2]
-    waits = [row.get("train/wait_time", math.nan) for row in run.metrics if row["step"] >= 2]
+    rows = [row for row in run.metrics if row["step"] >= 2]
+    times = [row["train/total_step_time"] for row in rows]
+    # the judge's wait in a step: its calls in rounds of max_concurrency, each as long as a call's mean
+    judge = [math.ceil(row.get("reward/judge/calls", 0.0) / args.judge_concurrency) * row.get("reward/judge/latency_s", 0.0)
+             for row in rows]
     return {"spm": 60.0 * len(times) / sum(times), "step": statistics.median(times),
-            "wait": statistics.median(waits)}
+            "wait": statistics.median(row.get("train/wait_time", math.nan) for row in rows),
+            "sample": statistics.fmean(row["train/sample_time"] for row in rows),
+            "update": statistics.fmean(row.get("train/step_time", 0.0) for row in rows), "judge": statistics.fmean(judge)}
 
 
-def measure(args, runs: Path, name: str) -> float:
-    """Train one mode in a fresh process (its own OpenMP settings); print and return its steps per minute."""
+def measure(args, runs: Path, name: str) -> dict:
+    """Train one mode in a fresh process (its own OpenMP settings); print it, return what ``train`` returned."""
     variables = dict(os.environ)
     if MODES[name][2] == "process":
         variables.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as grooves train sets it for this config
@@ -181,7 +193,29 @@ def measure(args, runs: Path, name: str) -> float:
     policy = variables.get("OMP_WAIT_POLICY", "default")
     print(f"{name:>6}: {result['spm']:6.2f} steps/min  (step {result['step']:.2f} s median, waiting for "
           f"rollouts {result['wait']:.2f} s median; OMP_WAIT_POLICY {policy})", flush=True)
-    return result["spm"]
+    return result
+
+
+def ceiling(sync: dict, one_thread: dict) -> tuple[float, str]:
+    """The most any overlap can gain over the synchronous loop on this machine's cores, and why.
+
+    However sampling and the update share the cores, each spends at least the CPU time it
+    takes on one thread (more threads split the work, they do not shrink it): the
+    generation (sampling minus the judge's wait, which takes no CPU here) and the update of
+    the synchronous loop run on one thread. Spread perfectly over every core, a step takes no
+    less than that sum divided by the cores; nor less than the judge needs for a step's calls
+    at its concurrency. The k = 1 pipeline's order and the two sharing caches and memory keep
+    a step above both.
+    """
+    cores = len(os.sched_getaffinity(0))
+    generate, update, judge = one_thread["sample"] - one_thread["judge"], one_thread["update"], one_thread["judge"]
+    floor = max((generate + update) / cores, judge)
+    sync_step = 60.0 / sync["spm"]
+    why = (f"on one thread a step's generation takes {generate:.2f} s (sampling and scoring "
+           f"{one_thread['sample']:.2f} s, less {judge:.2f} s waiting for the judge) and its update "
+           f"{update:.2f} s: on {cores} cores, and with the judge's {judge:.2f} s a step, an overlapped step takes "
+           f"at least {floor:.2f} s, against the synchronous loop's {sync_step:.2f} s")
+    return sync_step / floor, why
 
 
 def heldout(args, runs: Path, name: str) -> list[float]:
@@ -215,6 +249,8 @@ def main() -> None:
     parser.add_argument("--no-ray", action="store_true", help="leave out the Ray mode (ray2_spm=nan)")
     parser.add_argument("--no-thread", action="store_true", help="leave out async k = 1 with a sampler thread "
                         "(the async mode measured is the sampler process)")
+    parser.add_argument("--no-ceiling", action="store_true", help="leave out the synchronous loop on one thread, "
+                        "whose costs give the most any overlap can gain on this machine (the 'ceiling' line)")
     parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)  # one mode, in a child process
     parser.add_argument("--judge-url", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=Path, help=argparse.SUPPRESS)
@@ -231,16 +267,20 @@ def main() -> None:
     with JudgeProcess() as judge, tempfile.TemporaryDirectory() as folder:
         runs = Path(folder)
         args.judge_url = judge.base_url
-        sync_spm = measure(args, runs, "sync")
-        async_spm = measure(args, runs, "async")
-        thread_spm = math.nan if args.no_thread else measure(args, runs, "thread")
-        ray2_spm = math.nan if args.no_ray else measure(args, runs, "ray2")
+        sync = measure(args, runs, "sync")
+        async_spm = measure(args, runs, "async")["spm"]
+        thread_spm = math.nan if args.no_thread else measure(args, runs, "thread")["spm"]
+        ray2_spm = math.nan if args.no_ray else measure(args, runs, "ray2")["spm"]
+        bound = None if args.no_ceiling else ceiling(sync, measure(args, runs, "sync1"))
         a, b = heldout(args, runs, "sync"), heldout(args, runs, "async")
     pairs = [(x, y) for x, y in zip(a, b) if x == x and y == y]
     diffs = [y - x for x, y in pairs]
     stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
     heldout_sync = statistics.fmean(x for x, _ in pairs)
     heldout_async = statistics.fmean(y for _, y in pairs)
+    sync_spm = sync["spm"]
+    if bound is not None:
+        print(f"ceiling: no overlap can beat {bound[0]:.2f}x the synchronous loop on this machine now: {bound[1]}")
     print(f"async/sync throughput: {async_spm / sync_spm:.2f}x (goal >= 1.5x); with a sampler thread instead "
           f"of a process: {thread_spm / sync_spm:.2f}x; ray2/sync: "
           f"{ray2_spm / sync_spm:.2f}x; held-out async - sync: {heldout_async - heldout_sync:+.3f} "
