@@ -169,12 +169,13 @@ def train(args, runs: Path, name: str) -> dict:
     rows = [row for row in run.metrics if row["step"] >= 2]
     times = [row["train/total_step_time"] for row in rows]
     # the judge's wait in a step: its calls in rounds of max_concurrency, each as long as a call's mean
-    judge = [math.ceil(row.get("reward/judge/calls", 0.0) / args.judge_concurrency) * row.get("reward/judge/latency_s", 0.0)
-             for row in rows]
+    judge = [math.ceil(row.get("reward/judge/calls", 0.0) / args.judge_concurrency)
+             * row.get("reward/judge/latency_s", 0.0) for row in rows]
     return {"spm": 60.0 * len(times) / sum(times), "step": statistics.median(times),
             "wait": statistics.median(row.get("train/wait_time", math.nan) for row in rows),
             "sample": statistics.fmean(row["train/sample_time"] for row in rows),
-            "update": statistics.fmean(row.get("train/step_time", 0.0) for row in rows), "judge": statistics.fmean(judge)}
+            "update": statistics.fmean(row.get("train/step_time", 0.0) for row in rows),  # 0 for a skipped step
+            "judge": statistics.fmean(judge)}
 
 
 def measure(args, runs: Path, name: str) -> dict:
