@@ -13,6 +13,16 @@ def alone(policy, row):
     return decode(policy, [row])[0]
 
 
+def tiny_lora_policy(std: float) -> Policy:
+    """The tiny model with a rank-4 adapter whose B matrices are not zero, so the adapter matters."""
+    policy = Policy.load("tiny", lora=LoRA(rank=4, alpha=8), seed=2)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, std, generator=torch.Generator().manual_seed(1))
+    return policy
+
+
 def test_rows_with_different_settings_share_a_batch(tiny_policy):
     prompt = tiny_policy.chat_ids([{"role": "user", "content": "hi"}])
     greedy = Row(prompt, temperature=0, max_new_tokens=9)
@@ -94,11 +104,7 @@ def test_packed_linears_decode_like_the_plain_path(monkeypatch):
     on top; a changed base weight (a merge) is packed again, and nothing stays swapped in."""
     from grooves.policy import decoding
 
-    policy = Policy.load("tiny", lora=LoRA(rank=4, alpha=8), seed=2)
-    with torch.no_grad():
-        for name, param in policy.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    policy = tiny_lora_policy(0.05)
     prompt = policy.chat_ids([{"role": "user", "content": "hello there"}])
 
     def run():
@@ -130,11 +136,7 @@ def test_the_adapter_folded_into_the_packed_weights_decodes_like_the_plain_path(
     model is not folded; a layer never holds two packed copies at once."""
     from grooves.policy import decoding
 
-    policy = Policy.load("tiny", lora=LoRA(rank=4, alpha=8), seed=2)
-    with torch.no_grad():
-        for name, param in policy.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    policy = tiny_lora_policy(0.1)
     prompt = policy.chat_ids([{"role": "user", "content": "hello there"}])
     rows = lambda adapter=None: [Row(prompt, temperature=0, max_new_tokens=12, ignore_eos=True,  # noqa: E731
                                      adapter=adapter)]
@@ -186,11 +188,7 @@ def test_prompts_that_begin_alike_prefill_their_common_beginning_once(monkeypatc
     gets the whole of it, the shared beginning included."""
     from grooves.policy import decoding
 
-    policy = Policy.load("tiny", lora=LoRA(rank=4, alpha=8), seed=2)
-    with torch.no_grad():
-        for name, param in policy.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    policy = tiny_lora_policy(0.05)
     system = {"role": "system", "content": "You answer questions about a shop. " * 12}
     prompts = [policy.chat_ids([system, {"role": "user", "content": ask}]) for ask in ("hi", "a refund?", "hi")]
     assert decoding._common_prefix(prompts) >= decoding.SHARED_PREFIX_MIN
