@@ -32,8 +32,8 @@ the cores the sampler process needs, while the synchronous loop is slower with `
 (its two threads sleep and wake between every small kernel). See docs/scale.md.
 
 A last run trains the synchronous loop on one torch thread (``--no-ceiling`` leaves it out):
-its generation and update times give the most any overlap of the two can gain on this
-machine's cores, printed as the ``ceiling`` line (see ``ceiling``).
+its generation and update times, with the synchronous loop's, give the most async k = 1 can
+gain on this machine's cores, printed as the ``ceiling`` line (see ``ceiling``).
 
 The sampler process runs half of torch's threads (one on 2 cores). ``--async-threads N`` sets
 the trainer's torch threads (and a sampler thread's) in the async runs; the other modes keep
@@ -198,24 +198,37 @@ def measure(args, runs: Path, name: str) -> dict:
 
 
 def ceiling(sync: dict, one_thread: dict) -> tuple[float, str]:
-    """The most any overlap can gain over the synchronous loop on this machine's cores, and why.
+    """The most async k = 1 can gain over the synchronous loop on this machine's cores, and why.
 
-    However sampling and the update share the cores, each spends at least the CPU time it
-    takes on one thread (more threads split the work, they do not shrink it): the
-    generation (sampling minus the judge's wait, which takes no CPU here) and the update of
-    the synchronous loop run on one thread. Spread perfectly over every core, a step takes no
-    less than that sum divided by the cores; nor less than the judge needs for a step's calls
-    at its concurrency. The k = 1 pipeline's order and the two sharing caches and memory keep
-    a step above both.
+    Costs, all measured: the generation (sampling minus the judge's wait, which takes no CPU
+    here) and the update, on one thread (``sync1``) and on every thread (``sync``); the judge's
+    wait J for a step's calls at its concurrency. Three floors for a step of the pipeline:
+
+    - work: sampling and the update each spend at least their one-thread CPU time, however the
+      cores are shared (more threads split the work, they do not shrink it). And while a batch
+      is being judged, only one job can run: the update before it, then the generation of the
+      next batch, which waits for that update's adapter (k = 1). One job on every thread works
+      at most ``s`` times as fast as on one, ``s`` being the larger of the two speedups the
+      synchronous loop shows. So ``cores * (T - J) + s * J`` must cover the step's work;
+    - chain: two steps hold one batch's generation, its judging and its update, in turn, each
+      no faster than on every thread;
+    - the judge: a step's calls take J.
+
+    Caches and memory bandwidth shared by the two jobs keep a real step above all three.
     """
     cores = len(os.sched_getaffinity(0))
-    generate, update, judge = one_thread["sample"] - one_thread["judge"], one_thread["update"], one_thread["judge"]
-    floor = max((generate + update) / cores, judge)
+    judge = one_thread["judge"]
+    generate1, update1 = one_thread["sample"] - judge, one_thread["update"]
+    generate, update = sync["sample"] - sync["judge"], sync["update"]
+    speedup = min(float(cores), max(generate1 / generate, update1 / update))
+    work = judge + max(0.0, generate1 + update1 - speedup * judge) / cores
+    chain = (generate + judge + update) / 2
+    floor = max(work, chain, judge)
     sync_step = 60.0 / sync["spm"]
-    why = (f"on one thread a step's generation takes {generate:.2f} s (sampling and scoring "
-           f"{one_thread['sample']:.2f} s, less {judge:.2f} s waiting for the judge) and its update "
-           f"{update:.2f} s: on {cores} cores, and with the judge's {judge:.2f} s a step, an overlapped step takes "
-           f"at least {floor:.2f} s, against the synchronous loop's {sync_step:.2f} s")
+    why = (f"a step's generation takes {generate1:.2f} s on one thread and {generate:.2f} s on {cores}, its update "
+           f"{update1:.2f} s and {update:.2f} s, the judge's wait {judge:.2f} s. While a batch is judged one job runs, "
+           f"at most {speedup:.2f}x its one-thread speed: a k = 1 step takes at least {floor:.2f} s "
+           f"(work {work:.2f} s, chain {chain:.2f} s), against the synchronous loop's {sync_step:.2f} s")
     return sync_step / floor, why
 
 
@@ -245,13 +258,13 @@ def main() -> None:
     parser.add_argument("--heldout", type=int, default=32, help="held-out tasks scored after training")
     parser.add_argument("--judge-concurrency", type=int, default=2)
     parser.add_argument("--async-threads", type=int, default=0, help="torch threads while the async run trains "
-                        "(each of its two threads, the sampler's and the trainer's, uses this many; 0 = torch's default, "
-                        "as for the other modes)")
+                        "(each of its two threads, the sampler's and the trainer's, uses this many; "
+                        "0 = torch's default, as for the other modes)")
     parser.add_argument("--no-ray", action="store_true", help="leave out the Ray mode (ray2_spm=nan)")
     parser.add_argument("--no-thread", action="store_true", help="leave out async k = 1 with a sampler thread "
                         "(the async mode measured is the sampler process)")
     parser.add_argument("--no-ceiling", action="store_true", help="leave out the synchronous loop on one thread, "
-                        "whose costs give the most any overlap can gain on this machine (the 'ceiling' line)")
+                        "whose costs give the most async k = 1 can gain on this machine (the 'ceiling' line)")
     parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)  # one mode, in a child process
     parser.add_argument("--judge-url", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=Path, help=argparse.SUPPRESS)
@@ -281,7 +294,7 @@ def main() -> None:
     heldout_async = statistics.fmean(y for _, y in pairs)
     sync_spm = sync["spm"]
     if bound is not None:
-        print(f"ceiling: no overlap can beat {bound[0]:.2f}x the synchronous loop on this machine now: {bound[1]}")
+        print(f"ceiling: async k = 1 cannot beat {bound[0]:.2f}x the synchronous loop on this machine now: {bound[1]}")
     print(f"async/sync throughput: {async_spm / sync_spm:.2f}x (goal >= 1.5x); with a sampler thread instead "
           f"of a process: {thread_spm / sync_spm:.2f}x; ray2/sync: "
           f"{ray2_spm / sync_spm:.2f}x; held-out async - sync: {heldout_async - heldout_sync:+.3f} "
