@@ -37,9 +37,9 @@ import json
 import random
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from grooves.envs.state import State, TokenLog
 from grooves.envs.tools import BadArguments, Tool, call_text, make_tool, tool  # noqa: F401 (the env API)
 from grooves.policy.tools import ToolCall, parse_tool_calls
 from grooves.types import Message, Task
@@ -50,47 +50,6 @@ SNAPSHOT_MAGIC = b"grooves-env-snapshot/1\n"
 TOOL_THREADS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="grooves-tool")
 """Where tools run. Not an event loop's default executor: closing a loop waits for that one,
 so a tool that hangs past its timeout would hold up the whole round."""
-
-
-@dataclass
-class TokenLog:
-    """The exact token stream of a multi-turn rollout: the first prompt, then every later token
-    with ``mask`` 1 where the model generated it and 0 where the env inserted it."""
-
-    prompt_ids: list[int] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-    def add(self, ids: list[int], logprobs: list[float] | None, generated: bool) -> None:
-        self.ids += ids
-        self.mask += [int(generated)] * len(ids)
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
-
-    @property
-    def generated(self) -> int:
-        return sum(self.mask)
-
-
-@dataclass
-class State:
-    """Everything one rollout owns. ``data`` is JSON-able env data; ``resources`` holds live
-    objects (a database connection) that ``Env.snapshot`` captures through env hooks."""
-
-    task: Task
-    messages: list[Message]
-    rng: random.Random
-    tokens: TokenLog = field(default_factory=TokenLog)
-    data: dict[str, Any] = field(default_factory=dict)
-    resources: dict[str, Any] = field(default_factory=dict)
-    counters: Counter = field(default_factory=Counter)
-    turns: int = 0
-    done: bool = False
-    answer: str | None = None
-    finish: str = ""  # "answer", "max_turns", "max_tokens" once done
-    # The model's KV cache of the conversation so far, kept between turns by the rollout; never
-    # in a snapshot (a restored rollout runs its conversation through the model once more).
-    past: Any = field(default=None, repr=False, compare=False)
 
 
 class Env:

@@ -15,14 +15,12 @@ import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
+from grooves.envs.state import State
 from grooves.policy.tools import tool_call_text
-
-if TYPE_CHECKING:
-    from grooves.envs.base import State
 
 
 class BadArguments(ValueError):
