@@ -102,7 +102,7 @@ def test_mixed_adapters_in_one_batch_match_separate_runs():
 def test_packed_linears_decode_like_the_plain_path(monkeypatch):
     """The oneDNN fast path: same tokens, logprobs within float rounding, with a non-zero LoRA
     on top; a changed base weight (a merge) is packed again, and nothing stays swapped in."""
-    from grooves.policy import decoding
+    from grooves.policy import packing as decoding
 
     policy = tiny_lora_policy(0.05)
     prompt = policy.chat_ids([{"role": "user", "content": "hello there"}])
@@ -134,7 +134,7 @@ def test_the_adapter_folded_into_the_packed_weights_decodes_like_the_plain_path(
     tokens as the plain path, logprobs within float rounding; after a fused AdamW step (which
     does not bump the tensors' versions) the fold follows the new values; a batch on the base
     model is not folded; a layer never holds two packed copies at once."""
-    from grooves.policy import decoding
+    from grooves.policy import packing as decoding
 
     policy = tiny_lora_policy(0.1)
     prompt = policy.chat_ids([{"role": "user", "content": "hello there"}])
@@ -186,7 +186,7 @@ def test_prompts_that_begin_alike_prefill_their_common_beginning_once(monkeypatc
     """An agent env's tasks share a long system prompt: it runs once, and every row decodes as it
     would alone (greedy tokens equal, logprobs within float rounding); a row asking to keep its KV
     gets the whole of it, the shared beginning included."""
-    from grooves.policy import decoding
+    from grooves.policy import prefill as decoding
 
     policy = tiny_lora_policy(0.05)
     system = {"role": "system", "content": "You answer questions about a shop. " * 12}

@@ -1,0 +1,66 @@
+"""The rows a decode runs and what it returns: the data the decode loop, the training sampler,
+multi-turn rollouts and the server share (see ``grooves.policy.decoding``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+
+
+class Constraint(Protocol):
+    """Restricts which tokens a row may produce (see ``grooves.serve.grammar``)."""
+
+    def mask(self, logits: torch.Tensor, remaining: int) -> None:
+        """Set disallowed entries of a ``(V,)`` logits row to -inf, in place; ``remaining`` tokens are left."""
+
+    def accept(self, token: int) -> None: ...
+
+    def is_terminated(self) -> bool: ...
+
+
+@dataclass
+class Row:
+    prompt_ids: list[int]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    generator: torch.Generator | None = None
+    adapter: str | None = None  # a PEFT adapter name, BASE_ADAPTER, or None for the model as it is
+    constraint: Constraint | None = None
+    top_logprobs: int = 0
+    ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
+    past: Past | None = None  # the KV of a prefix of prompt_ids, from an earlier decode (keep_past)
+    keep_past: bool = False  # return the row's KV (prompt and tokens but the last) as RowOutput.past
+
+
+@dataclass
+class Past:
+    """One row's KV cache: per layer ``(keys, values)`` of shape ``(heads, length, head_dim)``, for the
+    first ``length`` tokens of a sequence. A multi-turn rollout keeps it between its turns, so a
+    turn's prompt (the whole conversation) is not run through the model again."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].shape[1]
+
+
+@dataclass
+class RowOutput:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (stop token, stop string or finished constraint) or "length"
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    past: Past | None = None  # with Row.keep_past: the KV of prompt_ids + token_ids[:-1]
+
+
+TokenCallback = Callable[[int, int, float], None]  # (row index, token id, logprob) as each token is chosen
+
