@@ -127,3 +127,93 @@ def test_a_skipped_long_prompt_is_shown_not_only_counted(tmp_path):
     result = CliRunner().invoke(app, ["train", str(config), "--runs", str(tmp_path / "runs"), "--quiet"])
     assert result.exit_code == 0, result.output
     assert "over sampling.max_prompt_length=40: skipped" in " ".join(result.output.split())
+
+
+ORDERS = {"#1": {"status": "delivered"}}
+ORDER_SCHEMA = {"type": "function", "function": {  # as published: no additionalProperties
+    "name": "get_order_details", "description": "An order's details.",
+    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}}
+
+
+def get_order_details(order_id: str) -> str:
+    """A benchmark's own tool: failures come back as text, never raised."""
+    return str(ORDERS[order_id]) if order_id in ORDERS else "Error: order not found"
+
+
+class Bench(Env):
+    name = "bench-test"
+
+    def extra_tools(self) -> list[Tool]:
+        def call_bench(state: State, arguments: dict) -> str:
+            return get_order_details(**arguments)  # an extra argument would be a TypeError here
+
+        return [Tool.from_schema(ORDER_SCHEMA, call_bench, is_error="Error:")]
+
+    @tool(is_error=lambda result: isinstance(result, dict) and "error" in result)
+    def cancel(self, state: State, order_id: str) -> dict:
+        """Cancel an order."""
+        return {"error": "only pending orders can be cancelled"}
+
+    def tasks(self, split="train", n=None, seed=0):
+        return [{"id": "t1", "prompt": "Where is #1?"}]
+
+    def score(self, state: State) -> dict[str, float]:
+        return {}
+
+
+def test_errors_returned_as_text_are_counted_and_reach_the_model_as_returned():
+    env = Bench()
+    turns = [call_text("get_order_details", order_id="#9"), call_text("get_order_details", order_id="#1"),
+             call_text("cancel", order_id="#1"), "Done."]
+    result = replay(env, env.tasks()[0], turns)
+    replies = [m["content"] for m in result.messages if m["role"] == "tool"]
+    assert replies[0] == "Error: order not found"  # the text as the tool wrote it, nothing added
+    assert replies[1] == "{'status': 'delivered'}"
+    assert json.loads(replies[2]) == {"error": "only pending orders can be cancelled"}
+    assert result.counters["tool_errors/returned"] == 2  # #9 and the refused cancel; #1 was fine
+    assert result.counters["tool_calls"] == 3 and "tool_errors/raised" not in result.counters
+
+
+def test_an_error_rule_is_a_predicate_or_prefixes_and_a_rule_that_raises_is_the_envs_bug():
+    rule = Tool.from_schema(ORDER_SCHEMA, lambda state, arguments: None, is_error=("Error:", "FAILED")).is_error
+    assert [rule(r) for r in ("Error: x", "  FAILED", "no Error:", {"Error:": 1}, None)] == [True, True, False,
+                                                                                           False, False]
+    with pytest.raises(TypeError, match="is_error must be"):
+        Tool.from_schema(ORDER_SCHEMA, lambda state, arguments: None, is_error=("",))
+
+    class Fussy(Bench):
+        def extra_tools(self):
+            return [Tool.from_schema(ORDER_SCHEMA, lambda state, arguments: "x", is_error=lambda result: 1 / 0)]
+
+    env = Fussy()
+    state = env.reset(env.tasks()[0])
+    import asyncio
+
+    reply = asyncio.run(env.respond(state, call_text("get_order_details", order_id="#1")))
+    assert reply[0]["content"] == "x" and state.counters["tool_errors/env_bug"] == 1
+    assert "tool_errors/returned" not in state.counters
+    assert state.data["env_bugs"] == ["get_order_details: is_error: ZeroDivisionError: division by zero"]
+
+
+def test_an_argument_the_schema_does_not_declare_is_the_models_error():
+    env = Bench()
+    turns = [call_text("get_order_details", order_id="#1", reason="curious"),
+             call_text("cancel", order_id="#1", reason="curious"), "Done."]
+    result = replay(env, env.tasks()[0], turns)
+    replies = [m["content"] for m in result.messages if m["role"] == "tool"]
+    assert replies[0] == ("error: invalid arguments for get_order_details: (arguments): Additional properties are "
+                          "not allowed ('reason' was unexpected)")
+    assert replies[1].startswith("error: invalid arguments for cancel: reason: Extra inputs are not permitted")
+    assert result.counters["tool_errors/bad_arguments"] == 2 and "tool_errors/raised" not in result.counters
+    assert env.tools_by_name["get_order_details"].schema() == ORDER_SCHEMA  # offered as published
+
+
+def test_extra_arguments_pass_where_the_schema_or_the_env_author_allows_them():
+    seen = []
+    open_schema = {"name": "note", "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
+                                                  "additionalProperties": True}}
+    allowed = Tool.from_schema(ORDER_SCHEMA, lambda state, arguments: seen.append(arguments), extra_arguments=True)
+    assert allowed.validate({"order_id": "#1", "reason": "x"}) == {"order_id": "#1", "reason": "x"}
+    assert Tool.from_schema(open_schema, print).validate({"text": "a", "more": 1}) == {"text": "a", "more": 1}
+    patterned = {"name": "tag", "parameters": {"type": "object", "patternProperties": {"^x_": {"type": "integer"}}}}
+    assert Tool.from_schema(patterned, print).validate({"x_a": 1, "other": "kept"}) == {"x_a": 1, "other": "kept"}

@@ -16,8 +16,9 @@ model output           what the model gets back                   counter
 =====================  =========================================  ======================
 malformed call JSON    the parse error and the expected format    ``tool_errors/malformed``
 unknown tool           the list of tools                          ``tool_errors/unknown_tool``
-wrong arguments        pydantic's field errors                    ``tool_errors/bad_arguments``
+wrong or extra args    the field errors                           ``tool_errors/bad_arguments``
 a tool that raises     the exception's type and message           ``tool_errors/raised``
+an error as a result   the result as returned (``is_error``)      ``tool_errors/returned``
 a tool that hangs      a timeout note (``tool_timeout_s``)        ``tool_errors/timeout``
 an enormous result     the first ``max_result_chars`` and a note  ``tool_results/truncated``
 =====================  =========================================  ======================
@@ -280,7 +281,20 @@ class Env:
         except Exception as error:  # a tool's failure is the model's information, not a crash
             state.counters["tool_errors/raised"] += 1
             return self._error_message(call, f"{call.name} failed: {type(error).__name__}: {error}")
+        if self._returned_error(state, found, result):
+            state.counters["tool_errors/returned"] += 1
         return self._tool_message(state, call, result)
+
+    def _returned_error(self, state: State, found: Tool, result: Any) -> bool:
+        """Whether the tool's ``is_error`` reads ``result`` as a failure; a rule that raises is the env's bug."""
+        if found.is_error is None:
+            return False
+        try:
+            return bool(found.is_error(result))
+        except Exception as error:
+            state.counters["tool_errors/env_bug"] += 1
+            state.data.setdefault("env_bugs", []).append(f"{found.name}: is_error: {type(error).__name__}: {error}")
+            return False
 
     def interrupt(self, state: State) -> None:
         """Stop a tool call that timed out (a SQLite env interrupts its query)."""
