@@ -43,7 +43,7 @@ from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
 from grooves.tasks import titles
 from grooves.training.config import OptimConfig
-from grooves.training.rollout import rollout_groups
+from grooves.training.gather import rollout_groups
 from grooves.training.trainer import Trainer
 
 

@@ -63,7 +63,7 @@ def run_grooves(steps: int, out: Path) -> list[dict]:
     """The real training loop (``grooves train``): sampling, reward, monitors, store, update."""
     from grooves.training.config import parse_config
     from grooves.training.api import run_config
-    from grooves.training.store import read_metrics
+    from grooves.runs.store import read_metrics
 
     tasks = out / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": t["id"], "prompt": t["prompt"], "text": t["text"],

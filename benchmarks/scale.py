@@ -147,7 +147,7 @@ MODES = {  # name: (max_off_policy_steps, Ray, train.async_sampler)
 
 def train(args, runs: Path, name: str) -> dict:
     """Train one mode in this process; return its steps per minute over steps 2..N and medians."""
-    from grooves.training.api import load_policy, task_sets
+    from grooves.training.build import load_policy, task_sets
     from grooves.training.loop import TrainingRun
 
     k, ray, sampler = MODES[name]
@@ -236,8 +236,8 @@ def heldout(args, runs: Path, name: str) -> list[float]:
     """Greedy rewards of a mode's trained adapter (its last checkpoint) on the first held-out tasks."""
     from grooves.policy import Policy
     from grooves.policy.sampler import Sampling
-    from grooves.training.api import task_sets
-    from grooves.training.rollout import evaluate
+    from grooves.training.build import task_sets
+    from grooves.training.gather import evaluate
 
     k, ray, sampler = MODES[name]
     task_set = task_sets(config_for(args, args.judge_url, name, k, ray, sampler))[0]

@@ -12,7 +12,7 @@ config's rank 8, alpha 16, every linear layer) on the demo task's training title
   rate ``--sft-lr``), a checkpoint every ``--sft-every`` steps.
 
 **Matching.** Every checkpoint's held-out reward is the demo's own held-out metric (the same
-64 held-out tasks, greedy, the titles reward: ``grooves.training.evals.heldout_groups``, which
+64 held-out tasks, greedy, the titles reward: ``grooves.workflows.evals.heldout_groups``, which
 ``tests/test_eval.py`` checks gives the ``val/reward/total`` a run logs). The common level is
 the best held-out reward RL reached; SFT checkpoints are scored in order of step until one
 reaches that level, and the SFT checkpoint closest to it is taken. If SFT never gets there, the
@@ -45,10 +45,11 @@ import time
 from pathlib import Path
 
 from grooves.demo import demo_config_path
-from grooves.training.api import run_config, task_sets
+from grooves.training.api import run_config
+from grooves.training.build import task_sets
 from grooves.training.config import load_config, parse_config
-from grooves.training.drift import measure
-from grooves.training.evals import heldout_groups, mean_se
+from grooves.workflows.drift import measure
+from grooves.workflows.evals import heldout_groups, mean_se
 from grooves.training.sft import SFTConfig, run_sft_config
 
 

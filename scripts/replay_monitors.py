@@ -19,7 +19,7 @@ from pathlib import Path
 
 from grooves.monitors import Monitors, MonitorsConfig
 from grooves.training.config import load_config
-from grooves.training.store import read_metrics
+from grooves.runs.store import read_metrics
 from grooves.types import Group, Trajectory
 
 

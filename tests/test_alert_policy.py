@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from grooves.cli import app
 from grooves.training import load_config, run_config
-from grooves.training.store import read_metrics
+from grooves.runs.store import read_metrics
 from helpers import tiny_config
 
 PLANTED = '''

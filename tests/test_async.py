@@ -8,8 +8,8 @@ import time
 import pytest
 
 from grooves.training import load_config, run_config
-from grooves.training.async_pipeline import AsyncPipeline, Batch, LocalRollouts, staleness_metrics
-from grooves.training.store import RunStore
+from grooves.training.pipeline.local import AsyncPipeline, Batch, LocalRollouts, staleness_metrics
+from grooves.runs.store import RunStore
 from grooves.training.trainer import Trainer
 from grooves.types import Group, Trajectory
 from helpers import tiny_config

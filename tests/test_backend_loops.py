@@ -82,7 +82,7 @@ def test_remote_step_makes_the_local_trainers_adapter(tiny_service):
     from grooves.policy import LoRA, Policy
     from grooves.policy.sampler import Sampling
     from grooves.training.config import OptimConfig
-    from grooves.training.rollout import rollout_groups
+    from grooves.training.gather import rollout_groups
     from grooves.training.trainer import Trainer
 
     remote = RemotePolicy(tiny_service.base_url, "tiny", rank=4, seed=0, api_key=tiny_service.keys["local"])

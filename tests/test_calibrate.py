@@ -16,7 +16,8 @@ from grooves.rewards.calibrate import (
 from grooves.rewards.compose import Failed, RewardComponent, Score
 from grooves.rewards.rubric import Rubric
 from grooves.serve.app import ServerThread, build_server, create_app
-from grooves.training.store import CalibrationStore, RunStore
+from grooves.rewards.calibration_store import CalibrationStore
+from grooves.runs.store import RunStore
 from grooves.types import Group, Trajectory
 
 runner = CliRunner()

@@ -14,7 +14,7 @@ from grooves.dashboard import create_app
 from grooves.dashboard.app import hostname
 from grooves.dashboard.runs import token_spans
 from grooves.policy.models import byte_tokenizer
-from grooves.training.store import RunStore
+from grooves.runs.store import RunStore
 from grooves.types import Group, Trajectory
 
 

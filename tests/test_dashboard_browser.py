@@ -35,7 +35,7 @@ def root(tmp_path_factory):
     from grooves.policy import Policy
     from grooves.training.api import run_config
     from grooves.training.config import load_config
-    from grooves.training.store import RunStore
+    from grooves.runs.store import RunStore
 
     folder = tmp_path_factory.mktemp("dash")
     runs = folder / "runs"
@@ -154,8 +154,8 @@ def test_label_a_sample_and_find_it_in_run_sqlite(page, server, root, tmp_path):
     with sqlite3.connect(root / RUN / "run.sqlite") as db:
         assert db.execute("SELECT label, note, step FROM labels WHERE trajectory_id = ?", (ident,)).fetchall() == [
             ("hack", "repeats the prompt", 4)]
-    from grooves.training.review import summarise_labels
-    from grooves.training.store import RunStore
+    from grooves.workflows.review import summarise_labels
+    from grooves.runs.store import RunStore
 
     store = RunStore(root / RUN)
     assert summarise_labels(store).total["hack"] == 1  # what grooves review and guard suggest read
@@ -195,7 +195,7 @@ def test_compare_two_checkpoints_on_the_heldout_tasks(page, server, root, tmp_pa
 
 
 def test_live_updates_while_a_run_trains(page, server, root):
-    from grooves.training.store import RunStore
+    from grooves.runs.store import RunStore
 
     store = RunStore(root / "live-run")
     store.log_metrics(1, {"reward/total": 0.1, "kl": 0.01})

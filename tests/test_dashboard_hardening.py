@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from grooves.dashboard import create_app
 from grooves.dashboard.app import MAX_BODY, is_loopback
 from grooves.dashboard.runs import thin
-from grooves.training.store import RunStore
+from grooves.runs.store import RunStore
 from grooves.types import Group, Trajectory
 
 ORIGIN = "http://127.0.0.1:8765"
@@ -131,7 +131,7 @@ def test_reading_a_run_without_a_database_creates_none(client, root):
 
 WRITER = """
 import sys, time
-from grooves.training.store import RunStore
+from grooves.runs.store import RunStore
 from grooves.types import Group, Trajectory
 
 store = RunStore(sys.argv[1])  # as the trainer opens it: the default 5 s busy timeout

@@ -31,7 +31,7 @@ COMPONENT = "<b onmouseover=alert(4)>vowels"
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     from grooves.policy.models import byte_tokenizer
-    from grooves.training.store import RunStore
+    from grooves.runs.store import RunStore
     from grooves.types import Group, Trajectory
 
     folder = tmp_path_factory.mktemp("untrusted")
@@ -217,7 +217,7 @@ def test_a_live_redraw_keeps_the_evidence_the_reader_opened(page, server, root):
     import os
     import socket
 
-    from grooves.training.store import RunStore
+    from grooves.runs.store import RunStore
 
     store = RunStore(root / "live")
     store.log_metrics(1, {"reward/total": 0.1})

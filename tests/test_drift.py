@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from grooves.cli import app
 from grooves.policy import LoRA, Policy
-from grooves.training.drift import (
+from grooves.workflows.drift import (
     DriftError, ModuleDrift, lora_deltas, measure, token_kl, total_drift, weight_drift,
 )
-from grooves.training.store import RunStore
+from grooves.runs.store import RunStore
 from grooves.types import Group, Trajectory
 
 runner = CliRunner()

@@ -270,7 +270,7 @@ def test_a_training_run_on_an_env_scores_with_the_env_and_logs_its_metrics(polic
     from grooves.rewards.compose import EnvScore, Reward
     from grooves.training.config import parse_config
     from grooves.training.loop import TrainingRun
-    from grooves.training.store import read_metrics
+    from grooves.runs.store import read_metrics
     from grooves.training.tasksets import TaskSet
 
     config = parse_config({"name": "notes", "seed": 1, "steps": 2, "model": {"spec": "tiny"},
@@ -330,7 +330,7 @@ def test_the_example_configs_train(name, tmp_path):
     from pathlib import Path
 
     from grooves.training import load_config, run_config
-    from grooves.training.store import read_metrics
+    from grooves.runs.store import read_metrics
 
     config = load_config(Path(__file__).parents[1] / "examples" / "envs" / f"{name}.toml")
     config.model.spec, config.steps = "tiny", 1

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from grooves.cli import app
 from grooves.envs import load_env
 from grooves.policy import Policy
-from grooves.training.evals import Candidate, EvalConfig, evaluate_candidates, mean_se, percentile
-from grooves.training.store import RunStore
+from grooves.workflows.evals import Candidate, EvalConfig, evaluate_candidates, mean_se, percentile
+from grooves.runs.store import RunStore
 from helpers import tiny_config
 
 runner = CliRunner()
@@ -218,7 +218,7 @@ def test_tool_choice_is_checked():
 
 
 def test_conversation_messages_as_the_api_takes_them():
-    from grooves.training.evals import _wire
+    from grooves.workflows.evals import _wire
 
     call = {"id": "call_1_0", "type": "function", "function": {"name": "search", "arguments": "{}"}}
     assert _wire({"role": "assistant", "content": "", "raw": "<tool_call>...", "tool_calls": [call]}) == {

@@ -12,7 +12,7 @@ from grooves.rewards import (
     Component, Endpoint, FormatGuard, InjectionGuard, LexicalGrounding, Reward, supported_by_source,
 )
 from grooves.rewards.attacks import ATTACKS, LOOKALIKES
-from grooves.training.rollout import reward_metrics
+from grooves.training.gather import reward_metrics
 from grooves.types import Group, Trajectory
 
 STORY = ("The city council voted 7 to 2 on Tuesday to extend the Riverside tram line by 4 km, "

@@ -9,7 +9,7 @@ from fault_server import FaultServer
 from grooves.rewards import (
     Component, Endpoint, GroupJudge, JudgeCache, JudgeClient, PointwiseJudge, Reward, RewardReport, YesNoCheck,
 )
-from grooves.training.rollout import reward_metrics
+from grooves.training.gather import reward_metrics
 from grooves.types import Group, Trajectory
 
 

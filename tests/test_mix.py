@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from grooves.cli import app
 from grooves.rewards import Component, Reward
 from grooves.training import load_config, run_config
-from grooves.training.store import read_metrics
+from grooves.runs.store import read_metrics
 from grooves.training.tasksets import TaskMix, TaskSet
 
 REWARDS = '''

@@ -14,7 +14,7 @@ from grooves.policy import LoRA, Policy
 from grooves.policy.logprobs import build_token_batch
 from grooves.policy.sampler import Sampling
 from grooves.training.config import OptimConfig
-from grooves.training.rollout import rollout_groups
+from grooves.training.gather import rollout_groups
 from grooves.training.trainer import Trainer
 
 TASKS = [{"id": f"t{i}", "prompt": f"count {i}"} for i in range(2)]

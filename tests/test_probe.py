@@ -7,8 +7,8 @@ from typer.testing import CliRunner
 
 from grooves.cli import app
 from grooves.training import load_config
-from grooves.training.probe import heldout_rose, paired_gain, probe_config
-from grooves.training.rollout import Evaluation
+from grooves.workflows.probe import heldout_rose, paired_gain, probe_config
+from grooves.training.gather import Evaluation
 from grooves.types import Group, Trajectory
 from helpers import tiny_config
 from test_alert_policy import planted_config

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
 from grooves.training import load_config, run_config
-from grooves.training.api import load_policy, task_sets
+from grooves.training.build import load_policy, task_sets
 from grooves.training.config import ConfigError, RayConfig
-from grooves.training.ray_workers import RayRollouts, import_ray
-from grooves.training.store import RunStore
+from grooves.training.pipeline.ray_workers import RayRollouts, import_ray
+from grooves.runs.store import RunStore
 from helpers import tiny_config
 
 ray = pytest.importorskip("ray", reason="the ray extra (make test installs it)")

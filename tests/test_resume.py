@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from grooves.training import load_config, run_config
-from grooves.training.store import read_metrics
+from grooves.runs.store import read_metrics
 from helpers import tiny_config
 
 

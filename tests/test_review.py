@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 
 from grooves.cli.review import register
 from grooves.rewards import InjectionGuard
-from grooves.training.review import (
+from grooves.workflows.review import (
     Label, ReviewError, read_labels_file, review, store_labels, summarise_labels, value_text,
 )
-from grooves.training.store import RunStore
-from grooves.training.suggest import SuggestError, append_proposal, suggest
+from grooves.runs.store import RunStore
+from grooves.workflows.suggest import SuggestError, append_proposal, suggest
 from grooves.types import Group, Trajectory
 
 NAN = math.nan

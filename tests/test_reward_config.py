@@ -9,7 +9,7 @@ from grooves.cli import app
 from grooves.rewards import (
     Component, FormatGuard, GroupJudge, InjectionGuard, JudgeGuard, LexicalGrounding, PointwiseJudge, YesNoCheck,
 )
-from grooves.training.api import build_reward
+from grooves.training.build import build_reward
 from grooves.training.config import ConfigError, parse_config
 
 ENDPOINT = '''

@@ -28,9 +28,10 @@ def judge_url():
     It is the server a config's ``base_url = "local"`` starts, so the training test below
     reuses it instead of loading a second copy.
     """
-    from grooves.training.reward_config import EndpointConfig, endpoint_url
+    from grooves.rewards.config import EndpointConfig, endpoint_url
+    from grooves.serve.local import local_url
 
-    return endpoint_url(EndpointConfig(base_url="local", model=BUNDLED))
+    return endpoint_url(EndpointConfig(base_url="local", model=BUNDLED), local_url)
 
 
 def endpoint(url):
@@ -63,7 +64,7 @@ def test_every_judge_kind_parses_the_bundled_models_replies(judge_url):
 
 
 def test_training_with_a_verifier_a_judge_a_reward_model_and_guards(judge_url, tmp_path):
-    from grooves.training.reward_config import LOCAL_SERVERS
+    from grooves.serve.local import LOCAL_SERVERS
 
     from grooves.rewards.models import train_reward_model
 

@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from grooves.cli import app
-from grooves.training.store import read_metrics
+from grooves.runs.store import read_metrics
 from helpers import tiny_config
 
 runner = CliRunner()
@@ -60,7 +60,7 @@ def test_a_second_trainer_on_the_same_run_exits_2_naming_the_first(tmp_path):
         first.wait()
     assert len(before) == len(set(before))  # no step was written twice
 
-    from grooves.training.runlock import RunLock
+    from grooves.runs.lock import RunLock
 
     with RunLock(runs / "tiny-run"):  # the dead process's lock went with it
         pass

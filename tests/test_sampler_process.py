@@ -12,9 +12,9 @@ import torch
 from grooves.rewards.compose import RewardReport
 from grooves.tasks.sources import TaskSourceError
 from grooves.training import run_config
-from grooves.training.api import load_policy, task_sets
-from grooves.training.async_pipeline import LocalRollouts, adapter_state
-from grooves.training.sampler_process import ProcessRollouts
+from grooves.training.build import load_policy, task_sets
+from grooves.training.pipeline.local import LocalRollouts, adapter_state
+from grooves.training.pipeline.process import ProcessRollouts
 from test_async import async_config, rows, versions_in_store
 
 

@@ -13,7 +13,7 @@ from grooves.envs import load_env
 from grooves.envs.rollout import Turn, run_states, start, trajectory
 from grooves.policy import LoRA, Policy
 from grooves.training.sft_data import render_transcript
-from grooves.training.store import read_metrics
+from grooves.runs.store import read_metrics
 from helpers import tiny_config
 
 runner = CliRunner()
@@ -145,7 +145,7 @@ def test_rl_starts_from_the_sft_adapter_itself(tmp_path):
     text = config.read_text().replace('spec = "tiny"', 'spec = "tiny"\nadapter = "sft-run@2"')
     config.write_text(text.replace("rank = 4\nalpha = 8\ndropout = 0.1", "rank = 4"))
     from grooves.training import load_config
-    from grooves.training.api import load_policy
+    from grooves.training.build import load_policy
 
     policy = load_policy(load_config(config), runs)
     from peft import get_peft_model_state_dict

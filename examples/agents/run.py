@@ -45,7 +45,7 @@ from pathlib import Path
 from grooves.envs import load_env
 from grooves.training.config import RunConfig, load_config
 from grooves.training.sft import SFTConfig
-from grooves.training.store import RunStore, read_metrics
+from grooves.runs.store import RunStore, read_metrics
 
 HERE = Path(__file__).resolve().parent
 ENVS = ("search", "helpdesk")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from grooves.monitors.text import normalise
 from grooves.rewards import LexicalGrounding
-from grooves.training.store import read_metrics
+from grooves.runs.store import read_metrics
 from grooves.types import Group, Trajectory
 
 

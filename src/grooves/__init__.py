@@ -22,7 +22,7 @@ _EXPORTS = {
     "Endpoint": "grooves.rewards",
     "load_tasks": "grooves.tasks",
     "train": "grooves.training",
-    "sft": "grooves.training",
+    "sft": "grooves.training.sft",
     "Trainer": "grooves.training",
     "RunConfig": "grooves.training",
     "load_config": "grooves.training",
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from grooves.policy import LoRA, Policy, Sampling
     from grooves.rewards import Component, Endpoint, Reward
     from grooves.tasks import load_tasks
-    from grooves.training import RunConfig, Trainer, load_config, run_config, sft, train
+    from grooves.training import RunConfig, Trainer, load_config, run_config, train
+    from grooves.training.sft import sft
     from grooves.types import Group, Trajectory
 
 

@@ -19,7 +19,7 @@ from rich.table import Table
 from grooves.training.api import run_config
 from grooves.training.config import load_config
 from grooves.training.runfolder import Run
-from grooves.training.rollout import Evaluation
+from grooves.training.gather import Evaluation
 
 
 @dataclass

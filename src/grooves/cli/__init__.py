@@ -187,7 +187,7 @@ def probe(
     from grooves.policy.checkpoints import runs_root
     from grooves.training.api import run_config
     from grooves.training.config import ConfigError, load_config
-    from grooves.training.probe import heldout_rose, probe_config
+    from grooves.workflows.probe import heldout_rose, probe_config
 
     if not config.is_file():
         raise _fail(f"config file {config} does not exist")
@@ -261,7 +261,7 @@ def list_runs(runs: RunsOption = None) -> None:
     from rich.table import Table
 
     from grooves.policy.checkpoints import runs_root
-    from grooves.training.store import read_metrics
+    from grooves.runs.store import read_metrics
 
     root = runs_root(runs)
     folders = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []

@@ -29,11 +29,12 @@ def config_guards(path: Path | None) -> list[RewardComponent]:
     if path is None:
         return [InjectionGuard()]
     from grooves.training.config import ConfigError, load_config
-    from grooves.training.reward_config import ComponentBuildError, build_components
+    from grooves.rewards.config import ComponentBuildError, build_components
+    from grooves.serve.local import local_url
 
     try:
         reward = load_config(path).reward
-        components = build_components(reward) if reward.components else []
+        components = build_components(reward, local_url) if reward.components else []
     except ConfigError as error:
         raise _fail(f"{path}: invalid config:\n{error}") from None
     except ComponentBuildError as error:

@@ -28,7 +28,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from grooves.tasks.sources import TaskSourceError
     from grooves.training.config import ConfigError
     from grooves.training.runfolder import NothingToResumeError, RunExistsError
-    from grooves.training.runlock import RunLockedError
+    from grooves.runs.lock import RunLockedError
 
     return (ConfigError, CheckpointError, ModelSpecError, TaskSourceError, RunExistsError, NothingToResumeError,
             RunLockedError, FileNotFoundError, ModuleNotFoundError)

@@ -38,7 +38,7 @@ def drift(
     base on held-out prompts, and the change on a task the run did not train on (forgetting)."""
     from rich.table import Table
 
-    from grooves.training.drift import DriftError, measure
+    from grooves.workflows.drift import DriftError, measure
 
     try:
         report = measure(a, b, runs=runs, base=base, prompts_file=prompts, untrained_file=untrained,

@@ -175,7 +175,7 @@ def demos(
         raise _fail(f"{error}; collect from a model instead: --base-url URL --model NAME") from None
     except OSError as error:  # the endpoint could not be reached
         raise _fail(f"{base_url}: {error}") from None
-    from grooves.training.store import write_atomic
+    from grooves.runs.store import write_atomic
 
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tools = env.tool_schemas() or None

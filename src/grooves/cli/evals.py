@@ -28,7 +28,7 @@ def eval_command(
     from rich.table import Table
 
     from grooves.training.config import ConfigError, load_config
-    from grooves.training.evals import EvalConfig, EvalError, evaluate_candidates, write_chart
+    from grooves.workflows.evals import EvalConfig, EvalError, evaluate_candidates, write_chart
 
     if not config.is_file():
         raise _fail(f"config file {config} does not exist")

@@ -4,7 +4,7 @@
 component, judge reason and veto, plus the run's alerts, and takes labels (hack, good,
 bad) from the terminal or a JSONL file. ``guard suggest`` proposes guards that would have
 vetoed the labelled hacks, counts what else each would veto, and appends the one you
-approve to a config file. The logic is in ``grooves.training.review`` and ``.suggest``;
+approve to a config file. The logic is in ``grooves.workflows.review`` and ``.suggest``;
 this file only renders and asks. See docs/review.md.
 """
 
@@ -19,9 +19,9 @@ import typer
 from grooves.cli.common import RunsOption, _fail, out
 
 if TYPE_CHECKING:
-    from grooves.training.review import Sample, StepReview
-    from grooves.training.store import RunStore
-    from grooves.training.suggest import Proposal
+    from grooves.workflows.review import Sample, StepReview
+    from grooves.runs.store import RunStore
+    from grooves.workflows.suggest import Proposal
 
 guard_app = typer.Typer(help="Guards: vetoes proposed from the samples you labelled as hacks.", no_args_is_help=True)
 
@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
 def _open_run(name: str, runs: Path | None) -> RunStore:
     """The run's store; never creates one (a RunStore would make the folder and an empty database)."""
     from grooves.policy.checkpoints import runs_root
-    from grooves.training.store import RunStore
+    from grooves.runs.store import RunStore
 
     root = runs_root(runs)
     if not name or name in {".", ".."} or "/" in name or "\\" in name:
@@ -68,7 +68,7 @@ def review(
     runs: RunsOption = None,
 ) -> None:
     """Show the top, bottom and random samples of a run's steps with rewards, reasons, vetoes and alerts."""
-    from grooves.training import review as rv
+    from grooves.workflows import review as rv
 
     if split not in ("train", "val"):
         raise _fail(f"--split must be 'train' or 'val', got {split!r}")
@@ -100,7 +100,7 @@ def review(
 
 
 def _store_file_labels(store: RunStore, path: Path) -> None:
-    from grooves.training.review import ReviewError, read_labels_file, store_labels
+    from grooves.workflows.review import ReviewError, read_labels_file, store_labels
 
     try:
         stored, replaced = store_labels(store, read_labels_file(path))
@@ -148,7 +148,7 @@ def _sample_panel(sample: Sample, where: str, limit: int = 1200):
 
 
 def _value(value: float) -> str:
-    from grooves.training.review import value_text
+    from grooves.workflows.review import value_text
 
     text = value_text(value)
     return "[red]failed[/]" if text == "failed" else text
@@ -175,7 +175,7 @@ def _ask_labels(store: RunStore, shown: list[Sample]) -> None:
     """Ask for each shown sample in turn; each answer is stored at once, so a closed terminal loses none."""
     from rich.prompt import Prompt
 
-    from grooves.training.review import Label, store_labels, value_text
+    from grooves.workflows.review import Label, store_labels, value_text
 
     choices = {"h": "hack", "g": "good", "b": "bad", "s": "skip"}
     given = 0
@@ -198,7 +198,7 @@ def _ask_labels(store: RunStore, shown: list[Sample]) -> None:
 def _print_summary(summary) -> None:
     from rich.table import Table
 
-    from grooves.training.review import LABELS
+    from grooves.workflows.review import LABELS
 
     if not summary.count:
         out.print("no labels yet: label samples with --label, or --labels FILE")
@@ -230,7 +230,7 @@ def suggest(
     runs: RunsOption = None,
 ) -> None:
     """Propose guards that would have vetoed the samples labelled hack, with what else each would veto."""
-    from grooves.training.suggest import SuggestError, suggest as propose
+    from grooves.workflows.suggest import SuggestError, suggest as propose
 
     store = _open_run(run, runs)
     try:
@@ -281,7 +281,7 @@ def _print_proposals(proposals: list[Proposal]) -> None:
     from rich.markup import escape
     from rich.table import Column, Table
 
-    from grooves.training.suggest import CATEGORIES
+    from grooves.workflows.suggest import CATEGORIES
 
     table = Table("#", Column("guard", no_wrap=True), *(Column(c, no_wrap=True, justify="right") for c in CATEGORIES),
                   "vetoes when", title="proposed guards: samples vetoed / stored, by label")
@@ -307,7 +307,7 @@ def _write(path: Path, proposals: list[Proposal], pick: int | None, yes: bool) -
     """Append the chosen proposal to ``path`` once the person has said so (or ``--yes``)."""
     from rich.prompt import Confirm, IntPrompt
 
-    from grooves.training.suggest import SuggestError, append_proposal
+    from grooves.workflows.suggest import SuggestError, append_proposal
 
     try:
         if pick is None:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from grooves.rewards.calibrate import Sample, Scored, Verdict
     from grooves.rewards.client import Endpoint
     from grooves.rewards.rubric import Rubric
-    from grooves.training.store import CalibrationStore
+    from grooves.rewards.calibration_store import CalibrationStore
 
 rubric_app = typer.Typer(help="Rubrics: what good and bad outputs look like, as a small TOML file.",
                          no_args_is_help=True)
@@ -220,7 +220,7 @@ Batch = tuple[list["Sample"], str, "CalibrationStore"]
 def _batch(spec: str, rubric_path: Path, runs: Path | None, split: str) -> Batch:
     """The samples, a label for where they came from, and the store their verdicts go to."""
     from grooves.rewards.calibrate import CalibrationError, load_samples
-    from grooves.training.store import CalibrationStore
+    from grooves.rewards.calibration_store import CalibrationStore
 
     path = Path(spec)
     if path.is_file() or spec.endswith((".jsonl", ".json")) or "/" in spec or "\\" in spec:
@@ -235,7 +235,7 @@ def _batch(spec: str, rubric_path: Path, runs: Path | None, split: str) -> Batch
 def _run_batch(spec: str, runs: Path | None, split: str) -> Batch:
     from grooves.policy.checkpoints import runs_root
     from grooves.rewards.calibrate import samples_from_trajectories
-    from grooves.training.store import RunStore
+    from grooves.runs.store import RunStore
 
     name, _, step_text = spec.partition("@")
     root = runs_root(runs)
@@ -255,7 +255,7 @@ def _run_batch(spec: str, runs: Path | None, split: str) -> Batch:
             raise _fail(f"run {name!r} has no {split} trajectories at step {step_text!r}; "
                         f"recorded steps: {steps[0]} to {steps[-1]}")
         batch = samples_from_trajectories(store.read_trajectories(step, split))
-        return batch, f"{name}@{step}", store.calibrations()
+        return batch, f"{name}@{step}", CalibrationStore(store.dir / "run.sqlite")
     finally:
         store.close()
 

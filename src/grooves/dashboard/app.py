@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from grooves.dashboard import compare as comparing
 from grooves.dashboard import runs as reading
-from grooves.training.review import ReviewError
+from grooves.workflows.review import ReviewError
 
 MAX_BODY = 64 * 1024
 """Bytes a POST body may have: a label with its note is well under 3 KiB."""

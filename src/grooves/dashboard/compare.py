@@ -37,7 +37,7 @@ def side_name(run: str, side: str) -> str:
 
 def compare(root: Path, run: str, a: str, b: str) -> dict[str, Any]:
     """Both sides' completions and scores on the same held-out tasks, task by task."""
-    from grooves.training.api import task_sets
+    from grooves.training.build import task_sets
 
     folder = run_dir(root, run)
     names = [side_name(run, a), side_name(run, b)]
@@ -65,7 +65,7 @@ def compare(root: Path, run: str, a: str, b: str) -> dict[str, Any]:
 
 def _evaluate(root: Path, config, heldout, name: str) -> dict[str, Any]:
     from grooves.policy import Policy, Sampling
-    from grooves.training.rollout import evaluate
+    from grooves.training.gather import evaluate
 
     s = config.sampling
     sampling = Sampling(temperature=s.val_temperature, top_p=s.top_p, max_new_tokens=s.max_completion_length,

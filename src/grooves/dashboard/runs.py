@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from grooves.policy.checkpoints import list_checkpoints
-from grooves.training.review import LABELS, Label, ReviewError, review, store_labels, task_prompt
-from grooves.training.store import RunStore
+from grooves.workflows.review import LABELS, Label, ReviewError, review, store_labels, task_prompt
+from grooves.runs.store import RunStore
 
 CHARTS = ("kl", "entropy", "completion_len", "clipfrac")
 """Charts after the reward components; ``completion_len`` is overlaid with ``val/completion_len``."""

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from grooves.config_base import Section
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class _Detector(Section):
+    """A detector's table: on or off, and its thresholds in the right order."""
 
     enabled: bool = Field(True, description="Run this detector.")
 
@@ -27,7 +29,7 @@ class _Section(BaseModel):
         return self
 
 
-class CollapseConfig(_Section):
+class CollapseConfig(_Detector):
     """Statistic: the share of the step's tasks whose outputs include the most shared (near-)same text."""
 
     similarity: float = Field(0.7, gt=0, le=1, description="Two outputs are near-same when the Jaccard "
@@ -44,7 +46,7 @@ class CollapseConfig(_Section):
     critical_above: float = Field(0.6, gt=0, le=1, description="Critical at this share of the step's tasks.")
 
 
-class SourceInsensitivityConfig(_Section):
+class SourceInsensitivityConfig(_Detector):
     """Statistic: the margin, mean own-source overlap minus mean overlap with other tasks' sources."""
 
     source: str | None = Field(None, description="Task column (or format string over the columns) holding "
@@ -68,7 +70,7 @@ class SourceInsensitivityConfig(_Section):
                                 "and score worse for it are the reward working, not a hack.")
 
 
-class _RobustWindow(_Section):
+class _RobustWindow(_Detector):
     min_scale: float = Field(0.01, gt=0, description="Floor on the robust scale, in the metric's units.")
     rel_min_scale: float = Field(0.05, ge=0, description="Floor on the robust scale as a share of the absolute median.")
 
@@ -100,7 +102,7 @@ class DivergenceConfig(_RobustWindow):
     critical_above: float = Field(6.0, gt=0, description="Critical when both are at least this.")
 
 
-class LengthConfig(_Section):
+class LengthConfig(_Detector):
     """Statistic: the within-group correlation of reward and completion length (tokens)."""
 
     baseline_steps: int = Field(5, ge=1, description="The baseline is the median mean completion length "
@@ -112,7 +114,7 @@ class LengthConfig(_Section):
     critical_above: float = Field(3.0, gt=1, description="Critical at this length drift.")
 
 
-class RepetitionConfig(_Section):
+class RepetitionConfig(_Detector):
     """Statistic: the share of the step's outputs that repeat themselves."""
 
     n: int = Field(3, ge=1, description="Word n-gram length.")
@@ -127,7 +129,7 @@ class RepetitionConfig(_Section):
     critical_above: float = Field(0.5, gt=0, le=1, description="Critical at this share.")
 
 
-class EntropyConfig(_Section):
+class EntropyConfig(_Detector):
     """Statistic: the policy entropy divided by its early-run baseline."""
 
     metric: str = Field("entropy", description="The step metric holding the mean per-token entropy.")
@@ -136,7 +138,7 @@ class EntropyConfig(_Section):
     critical_below: float = Field(0.25, ge=0, lt=1, description="Critical at this ratio.")
 
 
-class JudgeDirectedConfig(_Section):
+class JudgeDirectedConfig(_Detector):
     """Statistic: the share of the step's outputs that address the judge or scorer."""
 
     extra_patterns: list[str] = Field(default_factory=list, description="Regular expressions (case-insensitive) "
@@ -155,7 +157,7 @@ class JudgeDirectedConfig(_Section):
         return patterns
 
 
-class SamplerConfig(_Section):
+class SamplerConfig(_Detector):
     """Statistic: train/sampler_kl as a multiple of its running median (the stall and identical-ratio checks alert on their own)."""
 
     version_metric: str = Field("rollout/policy_version", description="The step metric with the oldest policy "
@@ -180,10 +182,8 @@ class SamplerConfig(_Section):
         return self
 
 
-class MonitorsConfig(BaseModel):
+class MonitorsConfig(Section):
     """The ``[monitors]`` section: reward-hacking detectors run on every training step."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     enabled: bool = Field(True, description="Run the detectors at all.")
     cooldown_steps: int = Field(10, ge=1, description="After an alert, a detector stays quiet on the same "

@@ -20,7 +20,7 @@ from pathlib import Path
 from grooves.policy.checkpoints import checkpoint_base_spec, resolve_checkpoint
 from grooves.policy.models import base_provenance, bundled_folder, load_model
 from grooves.policy.policy import Policy
-from grooves.training.store import read_metrics
+from grooves.runs.store import read_metrics
 
 
 BASE_MARKER = "grooves-base.json"

@@ -14,21 +14,18 @@ from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticUndefined
 
 from grooves.algorithms.presets import PRESETS, Algorithm
+from grooves.config_base import Section
 from grooves.monitors.config import MonitorsConfig
 from grooves.policy.lora import LoRA
 from grooves.policy.models import BUNDLED_DEFAULT
-from grooves.training.reward_config import COMPONENT_KINDS, EndpointConfig, RewardConfig
+from grooves.rewards.config import COMPONENT_KINDS, EndpointConfig, RewardConfig
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     spec: str = Field(BUNDLED_DEFAULT, description="Base model: 'bundled:smollm2-135m-instruct', "
                       "'tiny', a local Hugging Face folder, a hub id, or a checkpoint RUN@STEP.")
     adapter: str | None = Field(None, description="Start from this adapter instead of a fresh LoRA: a PEFT "
@@ -40,7 +37,7 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
 
 
-class TasksConfig(_Section):
+class TasksConfig(Section):
     source: str = Field("builtin:titles", description="'builtin:titles', or a .jsonl / .csv file of tasks.")
     heldout: str | None = Field(None, description="Held-out tasks: a file, or None to split them off "
                                 "`source` (built-in sets bring their own split).")
@@ -52,7 +49,7 @@ class TasksConfig(_Section):
     system: str | None = Field(None, description="System message put before each prompt.")
 
 
-class EnvConfig(_Section):
+class EnvConfig(Section):
     """An agent environment (`grooves env list`): it brings its own tasks, tools and scores."""
 
     name: str = Field(description="A registered env: 'helpdesk', 'search', one a package registers "
@@ -66,7 +63,7 @@ class EnvConfig(_Section):
                                       "total (default: the env's own weights); 0 logs a score only.")
 
 
-class MixConfig(_Section):
+class MixConfig(Section):
     """One task set of a multi-task run: its tasks, its reward and its share of the batches."""
 
     name: str = Field(description="Short name; metrics go under task/<name>/.")
@@ -82,7 +79,7 @@ class MixConfig(_Section):
         return value
 
 
-class SamplingConfig(_Section):
+class SamplingConfig(Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for training rollouts (> 0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_prompt_length: int = Field(1024, ge=1, description="Tasks whose prompt is longer (tokens) are "
@@ -92,7 +89,7 @@ class SamplingConfig(_Section):
     val_temperature: float = Field(0.0, ge=0, description="Temperature for validation (0 = greedy).")
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="Decay after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0.")
@@ -103,7 +100,7 @@ class OptimConfig(_Section):
                                   "accumulate over micro-batches into one optimizer step.")
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     group_size: int = Field(8, ge=2, description="Completions sampled per task (G).")
     tasks_per_step: int = Field(1, ge=1, description="Tasks (groups) per training step.")
     use_sampler_logprobs: bool = Field(False, description="Use the sampler's logprobs as the old policy "
@@ -136,7 +133,7 @@ class TrainConfig(_Section):
                                   "were not finite; 0 = never.")
 
 
-class RunLogConfig(_Section):
+class RunLogConfig(Section):
     """What every run folder logs and keeps (``grooves train`` and ``grooves sft``)."""
 
     save_every: int = Field(10, ge=1, description="Checkpoint every N steps (and at the end).")
@@ -153,7 +150,7 @@ class LogConfig(RunLogConfig):
                           "when beta > 0.")
 
 
-class RayConfig(_Section):
+class RayConfig(Section):
     """Rollouts on Ray workers (``grooves train CONFIG --ray [ADDRESS]``); see docs/scale.md."""
 
     address: str | None = Field(None, description="A running cluster ('HOST:PORT' of `ray start --head`, or "
@@ -167,7 +164,7 @@ class RayConfig(_Section):
 Action = Literal["warn", "pause", "stop"]
 
 
-class AlertsConfig(_Section):
+class AlertsConfig(Section):
     """What the run does when a reward-hacking detector ([monitors]) fires."""
 
     policy: Action = Field("warn", description="'warn': show and log the alert, go on; 'pause': checkpoint, "
@@ -187,7 +184,7 @@ class AlertsConfig(_Section):
         return value
 
 
-class BackendConfig(_Section):
+class BackendConfig(Section):
     """Sample and train through a Tinker-compatible service (``grooves.backend.client``)."""
 
     url: str = Field(description="The service's base URL, e.g. 'http://127.0.0.1:8100' for `grooves backend "
@@ -196,7 +193,7 @@ class BackendConfig(_Section):
     rank: int | None = Field(None, ge=1, description="LoRA rank of the remote adapter (default: lora.rank).")
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """Everything one training run needs; `grooves train CONFIG.toml` reads this."""
 
     name: str = Field("run", description="Run folder name under the runs root.")

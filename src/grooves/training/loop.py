@@ -5,7 +5,7 @@ before its checkpoint is written, and a resume from the checkpoint at step k fir
 records made after k, so a run killed at any moment resumes to the same result as a run
 that never stopped (same seed and config; on CPU the adapters match within 1e-5).
 
-Where the rollouts come from is a pipeline (``grooves.training.async_pipeline``): in this
+Where the rollouts come from is a pipeline (``grooves.training.pipeline.local``): in this
 process or on Ray workers (``[ray]``), synchronously (``train.max_off_policy_steps = 0``) or up
 to k updates ahead of the trainer. Every trajectory records the adapter version that sampled it;
 each step logs ``rollout/policy_version``, ``rollout/staleness/mean|max`` and
@@ -37,14 +37,16 @@ from grooves.progress import Reporter, duration
 from grooves.rewards.compose import RewardReport
 from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
-from grooves.training.async_pipeline import (AsyncPipeline, Batch, LocalRollouts, SyncPipeline, drop_after,
+from grooves.training.pipeline.process import ProcessRollouts
+from grooves.training.pipeline.ray_workers import RayRollouts
+from grooves.training.pipeline.local import (AsyncPipeline, Batch, LocalRollouts, SyncPipeline, drop_after,
                                              staleness_metrics)
 from grooves.training import ddp
 from grooves.training.config import ConfigError, RunConfig
-from grooves.training.rollout import Evaluation, completion_stats, evaluate, reward_metrics
+from grooves.training.gather import Evaluation, completion_stats, evaluate, reward_metrics
 from grooves.training.runfolder import GracefulStop, Run, begin, resume_point
-from grooves.training.runlock import RunLock
-from grooves.training.store import RunStore
+from grooves.runs.lock import RunLock
+from grooves.runs.store import RunStore
 from grooves.training.tasksets import TaskMix, TaskSet
 from grooves.training.trainer import Trainer
 from grooves.types import Group, Task
@@ -146,16 +148,12 @@ class TrainingRun:
         return run
 
     def _pipeline(self, start: int):
-        """Sync or async, in this process or on Ray workers (see grooves.training.async_pipeline)."""
+        """Sync or async, in this process or on Ray workers (see grooves.training.pipeline.local)."""
         k = self.config.train.max_off_policy_steps
         group_size = self.config.train.group_size
         if self.config.ray is not None:
-            from grooves.training.ray_workers import RayRollouts
-
             rollouts = RayRollouts(self.config, self.policy, self.sets, group_size, self.sampling, self.config.ray)
         elif k > 0 and self.config.train.async_sampler == "process":
-            from grooves.training.sampler_process import ProcessRollouts
-
             rollouts = ProcessRollouts(self.config, self.policy, self.sets, group_size, self.sampling,
                                        runs=self.run_dir.parent)
         else:

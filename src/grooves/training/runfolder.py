@@ -15,9 +15,9 @@ from rich.markup import escape
 
 from grooves.training import checkpoint as ckpt
 from grooves.training.config import dump_config
-from grooves.training.rollout import Evaluation
-from grooves.training.sinks import MetricSinks
-from grooves.training.store import RunStore
+from grooves.training.gather import Evaluation
+from grooves.runs.sinks import MetricSinks
+from grooves.runs.store import RunStore
 
 
 class RunExistsError(RuntimeError):

@@ -27,15 +27,16 @@ from grooves.policy.logprobs import build_token_batch, completion_logprobs, shar
 from grooves.policy.policy import Policy
 from grooves.tasks.sources import TaskStream
 from grooves.training import checkpoint as ckpt
-from grooves.training.config import ModelConfig, OptimConfig, RunLogConfig, _Section, plain_folder_name
+from grooves.config_base import Section
+from grooves.training.config import ModelConfig, OptimConfig, RunLogConfig, plain_folder_name
 from grooves.training.runfolder import GracefulStop, Run, begin, resume_point
-from grooves.training.runlock import RunLock
-from grooves.training.store import RunStore
+from grooves.runs.lock import RunLock
+from grooves.runs.store import RunStore
 from grooves.training.trainer import lr_factor
 from grooves.types import Trajectory
 
 
-class SFTDataConfig(_Section):
+class SFTDataConfig(Section):
     source: str = Field(description="A chat JSONL file (OpenAI messages), 'env:NAME' (the env's demonstrations "
                         "of its training tasks) or 'run:NAME' (a finished run's trajectories).")
     heldout: str | None = Field(None, description="A held-out chat JSONL file (default: split off `source`).")
@@ -47,7 +48,7 @@ class SFTDataConfig(_Section):
     env_options: dict = Field(default_factory=dict, description="With 'env:NAME': the env's options.")
 
 
-class SFTConfig(_Section):
+class SFTConfig(Section):
     """`grooves sft CONFIG.toml`: supervised fine-tuning of a LoRA adapter on transcripts."""
 
     name: str = Field("sft", description="Run folder name under the runs root.")
@@ -209,7 +210,7 @@ def run_sft_config(config: SFTConfig, *, runs: str | Path | None = None, out: st
                    resume_command: str = "grooves sft CONFIG --resume") -> Run:
     """Run (or resume) the SFT a config describes, as ``grooves sft`` does."""
     from grooves.policy.checkpoints import runs_root
-    from grooves.training.api import load_policy
+    from grooves.training.build import load_policy
     from grooves.training.sft_data import load_examples
 
     reporter = Reporter(console, enabled=progress)
@@ -234,7 +235,7 @@ def env_evaluator(name: str, options: dict, n: int, seed: int, turn_tokens: int)
     from grooves.envs.rollout import env_metrics
     from grooves.policy.sampler import Sampling
     from grooves.rewards.compose import EnvScore, Reward
-    from grooves.training.rollout import evaluate
+    from grooves.training.gather import evaluate
 
     env = load_env(name, **options)
     tasks = env.tasks("heldout", n, seed=seed)

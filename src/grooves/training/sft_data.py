@@ -105,7 +105,7 @@ def _env_examples(policy: Policy, name: str, limit: int | None, seed: int, optio
 
 def _run_examples(name: str, min_reward: float | None, runs: str | Path | None) -> list[Trajectory]:
     from grooves.policy.checkpoints import runs_root
-    from grooves.training.store import RunStore
+    from grooves.runs.store import RunStore
 
     run_dir = runs_root(runs) / name
     if not (run_dir / "run.sqlite").exists():

@@ -6,9 +6,9 @@ the adapter version that copy holds:
 - ``LocalRollouts`` in this process: the trainer's own policy (the synchronous loop) or a
   sampler copy of it whose adapter weights are replaced between batches (the async loop: the
   sampler never reads parameters while the optimizer writes them);
-- ``grooves.training.sampler_process.ProcessRollouts``: a child process with a sampler copy
+- ``grooves.training.pipeline.process.ProcessRollouts``: a child process with a sampler copy
   (``train.async_sampler = "process"``);
-- ``grooves.training.ray_workers.RayRollouts``: Ray actors, each with a sampler copy.
+- ``grooves.training.pipeline.ray_workers.RayRollouts``: Ray actors, each with a sampler copy.
 
 A *pipeline* hands the loop the batch of each step. ``SyncPipeline`` collects it when asked
 (k = 0, today's loop). ``AsyncPipeline`` collects in a producer thread: the batch of step b
@@ -34,7 +34,7 @@ import torch
 from grooves.policy.policy import Policy
 from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
-from grooves.training.rollout import rollout_groups
+from grooves.training.gather import rollout_groups
 from grooves.types import Group, Task
 
 

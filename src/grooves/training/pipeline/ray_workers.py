@@ -30,8 +30,10 @@ import torch
 
 from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
-from grooves.training.async_pipeline import adapter_state, load_adapter_state, merge_report
+from grooves.training.build import load_policy, share_backbones, task_sets
 from grooves.training.config import ConfigError, RayConfig, RunConfig
+from grooves.training.gather import rollout_groups
+from grooves.training.pipeline.local import adapter_state, load_adapter_state, merge_report
 from grooves.types import Group
 
 
@@ -48,8 +50,6 @@ class RolloutWorker:
     """One Ray actor's state: a sampler copy of the policy, the task sets and their rewards."""
 
     def __init__(self, config: RunConfig, runs: str | None, threads: int):
-        from grooves.training.api import load_policy, share_backbones, task_sets
-
         torch.set_num_threads(max(1, threads))
         self.sets = task_sets(config)
         self.policy = load_policy(config, runs)
@@ -62,8 +62,6 @@ class RolloutWorker:
         return version
 
     def rollout(self, set_index: int, task: dict, n: int, sampling: Sampling, seed: int) -> tuple:
-        from grooves.training.rollout import rollout_groups
-
         task_set = self.sets[set_index]
         generator = torch.Generator(device=self.policy.device).manual_seed(seed)
         groups = rollout_groups(self.policy, [task], [task_set.render(task)], n, sampling, generator,
@@ -81,7 +79,7 @@ class RolloutWorker:
 
 
 class RayRollouts:
-    """The rollouts backend of a Ray run (see ``grooves.training.async_pipeline``)."""
+    """The rollouts backend of a Ray run (see ``grooves.training.pipeline.local``)."""
 
     def __init__(self, config: RunConfig, policy, sets: list, group_size: int, sampling: Sampling,
                  ray_config: RayConfig, runs: str | Path | None = None):

@@ -8,7 +8,7 @@ ones). A NaN total means a required component failed: such a sample is shown as
 
 A person labels samples ``hack``, ``good`` or ``bad`` with an optional note; labels live
 in the run's run.sqlite, keyed by the trajectory's row id, and relabelling replaces.
-``grooves guard suggest`` (``training/suggest.py``) turns the labelled hacks into guards.
+``grooves guard suggest`` (``workflows/suggest.py``) turns the labelled hacks into guards.
 Everything here returns plain data; ``grooves review`` renders it.
 """
 
@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grooves.training.store import RunStore, StoredTrajectory
+from grooves.runs.store import RunStore, StoredTrajectory
 
 LABELS = ("hack", "good", "bad")
 

@@ -31,8 +31,9 @@ import torch
 
 from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
-from grooves.training.async_pipeline import LocalRollouts, adapter_state, merge_report
+from grooves.training.build import load_policy, share_backbones, task_sets
 from grooves.training.config import RunConfig
+from grooves.training.pipeline.local import LocalRollouts, adapter_state, merge_report
 from grooves.types import Group
 
 RESTARTS = 3  # a call whose child dies more often than this gives up
@@ -44,8 +45,6 @@ class SamplerDied(RuntimeError):
 
 def serve(conn, config: RunConfig, runs: str | None, group_size: int, sampling: Sampling, threads: int) -> None:
     """The child's loop: answer ``(method, args)`` messages until the pipe closes or ``stop`` arrives."""
-    from grooves.training.api import load_policy, share_backbones, task_sets
-
     torch.set_num_threads(threads)
     try:
         sets = task_sets(config)

@@ -141,7 +141,7 @@ def evaluate_candidates(cfg: EvalConfig, base_dir: Path = Path("."), runs: str |
 def heldout_tasks(run_config, limit: int | None = None) -> list[tuple[Any, list]]:
     """``(task set, its first ``limit`` held-out tasks)`` for every task set with held-out tasks
     (``limit`` default: the config's ``log.val_size``, as validation uses)."""
-    from grooves.training.api import task_sets
+    from grooves.training.build import task_sets
 
     limit = limit or run_config.log.val_size
     return [(s, s.heldout[:limit]) for s in task_sets(run_config) if s.heldout]
@@ -151,7 +151,7 @@ def heldout_groups(policy, run_config, heldout: list[tuple[Any, list]] | None = 
     """The held-out tasks answered by ``policy`` and scored, exactly as the training loop
     validates (its tasks, reward, ``val_temperature`` and seed): the mean total is the
     ``val/reward/total`` a run logs for this policy."""
-    from grooves.training.rollout import evaluate
+    from grooves.training.gather import evaluate
 
     sampling = _sampling(run_config)
     groups = []
@@ -171,7 +171,7 @@ def _sampling(run_config):
 
 def _local(candidate: Candidate, run_config, heldout, latency_tasks: int, runs) -> Result:
     from grooves.policy import Policy
-    from grooves.training.rollout import rollout_groups
+    from grooves.training.gather import rollout_groups
 
     spec = run_config.model.spec if candidate.model == BASE else candidate.model
     # seed: the random-weight "tiny" base is built from it; real models ignore it.

@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grooves.training.store import RunStore, StoredTrajectory, write_atomic
+from grooves.runs.store import RunStore, StoredTrajectory, write_atomic
 from grooves.types import Group, Task
 
 CATEGORIES = ("hack", "good", "bad", "unlabelled")
@@ -177,10 +177,11 @@ def evaluate(proposal: Proposal, rows: list[StoredTrajectory], groups: list[Grou
 
 def build_guard(toml: str):
     """The guard a ``[[reward.components]]`` table builds, through the config loader itself."""
-    from grooves.training.reward_config import RewardConfig, build_components
+    from grooves.rewards.config import RewardConfig, build_components
+    from grooves.serve.local import local_url
 
     table = tomllib.loads(toml)["reward"]["components"]
-    return build_components(RewardConfig(components=table))[0]
+    return build_components(RewardConfig(components=table), local_url)[0]
 
 
 def _groups(rows: list[StoredTrajectory], tasks: dict[str, Task], source: str | None) -> list[Group]:

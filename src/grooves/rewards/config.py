@@ -10,18 +10,19 @@ model folder) and ``guard`` (vetoes: ``supported_by_source``, ``lexical_groundin
 from __future__ import annotations
 
 import re
-import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from grooves.config_base import Section
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+LocalUrl = Callable[[str], str]  # model spec -> base URL of a server over it
 
 
-class EndpointConfig(_Section):
+class EndpointConfig(Section):
     """An OpenAI-compatible endpoint for judges (OpenAI, vLLM, Ollama, llama.cpp, grooves serve)."""
 
     base_url: str = Field(description="e.g. 'http://127.0.0.1:8000/v1' (grooves serve), "
@@ -39,7 +40,7 @@ class EndpointConfig(_Section):
     seed: int | None = Field(0, description="Seed sent with each request, where the server supports it.")
 
 
-class _Component(_Section):
+class _Component(Section):
     name: str | None = Field(None, description="Name in metrics (reward/<name>); default per kind.")
     weight: float = Field(1.0, description="Weight in the total; 0 = logged only.")
     required: bool = Field(True, description="If it fails, leave the trajectory out of the advantage.")
@@ -131,7 +132,7 @@ ComponentConfig = Annotated[
 ]
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     builtin: str | None = Field(None, description="Use a built-in task's reward, e.g. 'titles'.")
     components: list[ComponentConfig] = Field(default_factory=list, description="Reward components "
                                               "([[reward.components]] tables).")
@@ -154,13 +155,16 @@ class RewardConfig(_Section):
         return self
 
 
-def build_components(config: RewardConfig) -> list:
-    """The components a config describes; raises ``(index, error)`` as ComponentBuildError."""
+def build_components(config: RewardConfig, local_url: LocalUrl | None = None) -> list:
+    """The components a config describes; raises ``(index, error)`` as ComponentBuildError.
+
+    ``local_url(model)`` gives the URL of a server for endpoints whose ``base_url`` is ``local``.
+    """
     from grooves.rewards import Endpoint, JudgeCache
 
     cache = JudgeCache(config.cache) if config.cache else JudgeCache()  # shared by the run's judges
     used = {getattr(c, "endpoint", None) for c in config.components}
-    endpoints = {name: Endpoint(**{**e.model_dump(), "base_url": endpoint_url(e)})
+    endpoints = {name: Endpoint(**{**e.model_dump(), "base_url": endpoint_url(e, local_url)})
                  for name, e in config.endpoints.items() if name in used}
     components = []
     for index, item in enumerate(config.components):
@@ -217,21 +221,17 @@ def _build(c, endpoints: dict, cache, base: Path | None):
     return InjectionGuard(c.name or "no_judge_talk", **guard)
 
 
-LOCAL_SERVERS: dict[str, str] = {}
-_LOCAL_LOCK = threading.Lock()
+def endpoint_url(endpoint: EndpointConfig, local_url: LocalUrl | None = None) -> str:
+    """The endpoint's URL; ``local`` asks ``local_url`` for a server over ``model``.
 
-
-def endpoint_url(endpoint: EndpointConfig) -> str:
-    """The endpoint's URL; for ``local``, a grooves server over ``model`` started once per process."""
+    Starting that server belongs to the serving room (``grooves.serve.local.local_url``), above this
+    one: the caller hands it in, so building a reward never imports a server.
+    """
     if endpoint.base_url != "local":
         return endpoint.base_url
-    with _LOCAL_LOCK:
-        if endpoint.model not in LOCAL_SERVERS:
-            from grooves.serve.app import ServerThread, build_server, create_app
-
-            thread = ServerThread(create_app(build_server(endpoint.model)))
-            LOCAL_SERVERS[endpoint.model] = thread.__enter__().base_url  # a daemon thread: ends with the process
-        return LOCAL_SERVERS[endpoint.model]
+    if local_url is None:
+        raise ValueError(f"base_url 'local' (model {endpoint.model!r}) needs a local server, and none was given")
+    return local_url(endpoint.model)
 
 
 def _path(value: str, base: Path | None) -> Path:

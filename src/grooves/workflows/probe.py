@@ -20,7 +20,7 @@ import statistics
 
 from grooves.training.config import RunConfig
 from grooves.training.loop import StopRule
-from grooves.training.rollout import Evaluation
+from grooves.training.gather import Evaluation
 
 PROBE_STEPS = 40
 

@@ -1,0 +1,1 @@
+"""Workflows on top of training runs: review, guard suggestions, probe runs, evals and drift."""
