@@ -1,7 +1,7 @@
 """Advantage estimators, policy losses and presets: pure tensor functions (torch only)."""
 
 from grooves.algorithms.advantages import ESTIMATORS
-from grooves.algorithms.losses import AGGREGATIONS, LOSSES, k3_kl
+from grooves.algorithms.losses import AGGREGATIONS, LOSSES, k3_kl, kl_ratio
 from grooves.algorithms.presets import (
     PRESETS,
     Algorithm,
@@ -10,13 +10,17 @@ from grooves.algorithms.presets import (
     dr_grpo,
     grpo,
     gspo,
+    luspo,
     ppo,
     preset,
     rloo,
+    sapo,
+    vespo,
 )
 from grooves.algorithms.shaping import has_signal, overlong_penalty
 
 __all__ = [
     "AGGREGATIONS", "ESTIMATORS", "LOSSES", "PRESETS", "Algorithm", "cispo", "dapo", "dr_grpo", "grpo",
-    "gspo", "has_signal", "k3_kl", "overlong_penalty", "ppo", "preset", "rloo",
+    "gspo", "has_signal", "k3_kl", "kl_ratio", "luspo", "overlong_penalty", "ppo", "preset", "rloo", "sapo",
+    "vespo",
 ]

@@ -20,6 +20,7 @@ Inside the clamp the values and gradients are exactly those of ``exp(logp - old_
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -88,14 +89,59 @@ def cispo(logp, old_logp, advantages, mask, eps_low: float, eps_high: float, *,
     """CISPO: clip the importance weight, stop its gradient, keep every token's gradient.
 
     ``L_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A * logp_t``  (MiniMax-M1, Chen et al. 2025).
-    The cap on the weight is ``1 + eps_high`` (TRL's ``epsilon_high`` with ``loss_type="cispo"``);
-    ``eps_low = 1`` leaves it without a lower bound, as the paper. ``dual_clip`` does not apply
-    (the weight is already capped); the config rejects it.
+    The cap on the weight is ``1 + eps_high``. TRL's ``epsilon_high`` with ``loss_type="cispo"`` *is*
+    the cap itself, so ``eps_high = 4`` here is TRL's ``epsilon_high = 5``. ``eps_low = 1`` leaves the
+    weight without a lower bound, as the paper. ``dual_clip`` does not apply (the weight is already
+    capped); the config rejects it.
     """
     ratio = torch.exp(log_ratio(logp, old_logp, mask))
     weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach()
     clipped = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) & (mask > 0)
     return PolicyLoss(-weight * per_token(advantages) * logp, clipped)
+
+
+def sapo(logp, old_logp, advantages, mask, eps_low: float = 0.0, eps_high: float = 0.0, *,
+         dual_clip: float | None = None, sapo_temperature_pos: float = 1.0,
+         sapo_temperature_neg: float = 1.05) -> PolicyLoss:
+    """SAPO: a soft, temperature-controlled gate on the ratio instead of a hard clip (Gao et al. 2025,
+    arXiv:2511.20347).
+
+    ``L_t = -f(r_t) * A``, ``f(r) = sigmoid(tau * (r - 1)) * 4 / tau``, ``tau = tau_pos`` if ``A > 0``
+    else ``tau_neg``. The gradient is ``-A * 4 s (1 - s) * r_t * grad logp_t`` with
+    ``s = sigmoid(tau (r_t - 1))``: exactly the on-policy gradient at ``r = 1`` and fading smoothly
+    as ``r`` moves away. No hard clip: ``eps_*`` and ``dual_clip`` are unused and nothing counts as clipped.
+    """
+    ratio = torch.exp(log_ratio(logp, old_logp, mask))  # (B, T)
+    adv = per_token(advantages)
+    tau = torch.where(adv > 0, torch.full_like(adv, sapo_temperature_pos), torch.full_like(adv, sapo_temperature_neg))
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau  # (B, T)
+    return PolicyLoss(-gate * adv, torch.zeros_like(mask, dtype=torch.bool))
+
+
+# log W is kept inside [ln 1e-8, 20]: W never reaches 0 (ln 0) or overflows in float32
+VESPO_LOG_W_MIN = math.log(1e-8)
+
+
+def vespo(logp, old_logp, advantages, mask, eps_low: float = 0.0, eps_high: float = 0.0, *,
+          dual_clip: float | None = None, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+          vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0) -> PolicyLoss:
+    """VESPO: a smooth Gamma-shaped weight on the *sequence* ratio, without length normalisation
+    (Shen et al. 2026, arXiv:2602.10693).
+
+    ``W_i = prod_t r_t = exp(sum_t (logp_t - old_logp_t))``; ``phi(W) = W^k * exp(lambda * (1 - W))``
+    (``phi(1) = 1``); ``L_t = -sg(phi(W_i)) * A_i * logp_t``, with ``(k, lambda) = (k_pos, lambda_pos)``
+    if ``A >= 0`` else ``(k_neg, lambda_neg)``. ``phi`` rises as ``W^k`` below 1 and decays as
+    ``exp(-lambda W)`` above, so neither stale nor exploded sequences dominate. ``log W`` is clamped to
+    ``[ln 1e-8, 20]`` and ``phi`` computed in log space. No hard clip: ``eps_*``, ``dual_clip`` unused.
+    """
+    log_w = (log_ratio(logp, old_logp, mask) * mask).sum(-1, keepdim=True)  # (B, 1)
+    log_w = log_w.clamp(VESPO_LOG_W_MIN, LOGRATIO_CLAMP).detach()
+    adv = per_token(advantages)  # (B, 1) or (B, T)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, torch.full_like(adv, vespo_k_pos), torch.full_like(adv, vespo_k_neg))
+    lam = torch.where(nonneg, torch.full_like(adv, vespo_lambda_pos), torch.full_like(adv, vespo_lambda_neg))
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))  # ln phi = lambda + k ln W - lambda W
+    return PolicyLoss(-phi * adv * logp, torch.zeros_like(mask, dtype=torch.bool))
 
 
 def importance_sampling(logp, old_logp, advantages, mask, eps_low: float = 0.0, eps_high: float = 0.0,
@@ -123,7 +169,7 @@ def per_token(advantages: torch.Tensor) -> torch.Tensor:
     return advantages[:, None] if advantages.dim() == 1 else advantages
 
 
-LOSSES = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo}
+LOSSES = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo, "sapo": sapo, "vespo": vespo}
 
 # Tinker's loss names -> (loss, default eps_low, default eps_high). Tinker's clip thresholds are
 # ratio bounds: ``clip_low_threshold = 1 - eps_low``, ``clip_high_threshold = 1 + eps_high``.
@@ -156,13 +202,46 @@ def constant(mask: torch.Tensor, max_len: int) -> torch.Tensor:
     return mask / (sequences * max_len)
 
 
-AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean, "constant": constant}
+def seq_mean_token_sum(mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    """LUSPO (Liu et al. 2026, arXiv:2602.05261): each sequence's loss *summed* over its tokens, then a
+    mean over sequences. With GSPO's loss this is ``1/G' sum_i |o_i| * L_i``: GSPO's sequence loss scaled
+    by the sequence's length, which removes GSPO's bias towards short responses."""
+    sequences = (mask.sum(-1) > 0).sum().clamp(min=1)
+    return mask / sequences
 
 
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean, "constant": constant,
+                "seq_mean_token_sum": seq_mean_token_sum}
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor, ratio: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || ref): ``exp(ref - logp) - (ref - logp) - 1`` (Schulman 2020).
 
-    Non-negative, unbiased for the KL under samples from pi.
+    Non-negative, unbiased for the KL under samples from pi. With ``ratio`` (see ``kl_ratio``) it is
+    multiplied by that importance ratio, ``k3_t * pi_theta / pi_old``: the bias-corrected estimator of
+    DeepSeek-V3.2 (arXiv:2512.02556), TRL's ``use_bias_correction_kl``. The samples come from
+    ``pi_old``, not ``pi_theta``; the ratio (with its gradient) makes the KL's gradient the unbiased
+    reverse-KL gradient, even on-policy where its value is 1.
     """
     delta = ref_logp - logp
-    return torch.exp(delta) - delta - 1
+    kl = torch.exp(delta) - delta - 1
+    return kl if ratio is None else kl * ratio
+
+
+def kl_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str = "token") -> torch.Tensor:
+    """The importance ratio that ``k3_kl`` multiplies in, *with* its gradient through ``logp``.
+
+    ``"token"``: ``r_t = exp(logp_t - old_logp_t)``, (B, T). ``"sequence"``: GSPO's
+    ``s_i = exp(1/|o_i| sum_t (logp_t - old_logp_t))``, (B, 1): as TRL with
+    ``importance_sampling_level="sequence"``, the sequence weight on every token's KL.
+    """
+    logr = log_ratio(logp, old_logp, mask)  # (B, T)
+    if level == "token":
+        return torch.exp(logr)
+    if level == "sequence":
+        return torch.exp((logr * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+    raise ValueError(f"level must be 'token' or 'sequence', not {level!r}")
+
+
+# Losses whose importance ratio is the sequence's (TRL's importance_sampling_level="sequence").
+SEQUENCE_RATIO_LOSSES = frozenset({"gspo"})
