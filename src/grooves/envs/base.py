@@ -40,7 +40,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
-from grooves.envs.state import State, TokenLog
+from grooves.envs.state import State, TokenLog, stored_data
 from grooves.envs.tools import BadArguments, Tool, call_text, make_tool, tool  # noqa: F401 (the env API)
 from grooves.policy.tools import ToolCall, parse_tool_calls
 from grooves.types import Message, Task
@@ -70,6 +70,9 @@ class Env:
     prompt_budget: ClassVar[int | None] = None
     tool_timeout_s: float = 5.0
     max_result_chars: int = 2000
+    # JSON characters of ``state.data`` a stored trajectory keeps; larger values become a digest.
+    # Large per-rollout state belongs in ``state.resources`` (``save_resources``/``load_resources``).
+    stored_data_chars: int = 4000
     parser: str = "auto"
 
     def __init__(self, **options: Any):
@@ -111,6 +114,12 @@ class Env:
 
     def close(self, state: State) -> None:
         """Release ``state.resources``."""
+
+    def stored_data(self, state: State) -> dict[str, Any]:
+        """What a trajectory keeps of ``state.data`` for training, review and reward functions (it is
+        stored with every trajectory of a run): by default all of it up to ``stored_data_chars`` of
+        JSON, the largest values beyond that as a digest (``grooves.envs.state.stored_data``)."""
+        return stored_data(state.data, self.stored_data_chars)
 
     def demonstrate(self, task: Task) -> list[str] | None:
         """An expert's assistant turns for ``task``, written as the model should write them (tool

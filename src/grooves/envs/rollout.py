@@ -131,7 +131,8 @@ def run_states(policy, env: Env, states: list[State], generate: Generate, turn_t
 
 
 def trajectory(env: Env, state: State, policy_step: int = 0) -> Trajectory:
-    """A finished rollout as training data, with ``env.score`` in ``metadata["env_scores"]``."""
+    """A finished rollout as training data, with ``env.score`` in ``metadata["env_scores"]`` and of the
+    env's data only what ``env.stored_data`` keeps (a run stores every trajectory)."""
     scores = {name: float(value) for name, value in env.score(state).items()}
     return Trajectory(
         messages=state.messages, prompt_ids=list(state.tokens.prompt_ids), completion_ids=list(state.tokens.ids),
@@ -140,7 +141,7 @@ def trajectory(env: Env, state: State, policy_step: int = 0) -> Trajectory:
         metadata={"task_id": state.task.get("id"), "policy_step": policy_step, "env": env.name,
                   "env_scores": scores, "state": {"answer": state.answer, "finish": state.finish,
                                                   "turns": state.turns, "counters": dict(state.counters),
-                                                  "data": state.data}})
+                                                  "data": env.stored_data(state)}})
 
 
 def env_groups(policy, env: Env, tasks: list[Task], n: int, generate: Generate, turn_tokens: int,

@@ -6,12 +6,17 @@ A leaf of the envs room: the env contract (``base``), its tools (``tools``) and 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from grooves.types import Message, Task
+
+ALWAYS_STORED = frozenset({"env_bugs"})
+"""``state.data`` keys a stored trajectory always keeps whole (``grooves env try`` shows them)."""
 
 
 @dataclass
@@ -53,3 +58,18 @@ class State:
     # The model's KV cache of the conversation so far, kept between turns by the rollout; never
     # in a snapshot (a restored rollout runs its conversation through the model once more).
     past: Any = field(default=None, repr=False, compare=False)
+
+
+def stored_data(data: dict[str, Any], limit: int) -> dict[str, Any]:
+    """What a stored trajectory keeps of ``state.data``: at most ``limit`` characters of JSON (besides
+    ``ALWAYS_STORED``). The largest values are replaced, one by one, by ``{"omitted_chars": n, "sha256": ...}`` (of their
+    JSON) until the rest fits; so two rollouts that ended with equal data still compare equal."""
+    sizes = {key: len(json.dumps(value, default=str)) for key, value in data.items() if key not in ALWAYS_STORED}
+    kept, total = dict(data), sum(sizes.values())
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        if total <= limit:
+            break
+        text = json.dumps(data[key], default=str, sort_keys=True)
+        kept[key] = {"omitted_chars": sizes[key], "sha256": hashlib.sha256(text.encode()).hexdigest()}
+        total -= sizes[key]
+    return kept
