@@ -55,6 +55,11 @@ def try_env(
     option: Annotated[list[str] | None, typer.Option("--option", "-o", help="Env setting KEY=VALUE (JSON "
                                                      "values), e.g. -o max_turns=4; repeatable.")] = None,
     show_system: Annotated[bool, typer.Option(help="Also print the system prompt (with the tools).")] = False,
+    user: Annotated[str | None, typer.Option(help="Who answers text turns, as a config's [env] user: 'scripted' "
+                                             "(the task's user_turns) or a JSON table, e.g. '{\"kind\": \"llm\", "
+                                             "\"base_url\": \"...\", \"model\": \"...\"}'.")] = None,
+    max_prompt_length: Annotated[int, typer.Option(min=1, help="The limit a run would have (sampling."
+                                                   "max_prompt_length): a longer first prompt is flagged.")] = 1024,
     runs: RunsOption = None,
 ) -> None:
     """Run one rollout of NAME and print the transcript: every turn, tool call and result, the
@@ -67,7 +72,7 @@ def try_env(
 
     if split not in ("train", "heldout"):
         raise _fail(f"--split {split!r}: allowed: train, heldout")
-    env = _load(name, option)
+    env = _load(name, option, user)
     tasks = env.tasks(split, seed + 1, seed=0)
     task = tasks[seed % len(tasks)]
     from grooves.progress import Reporter
@@ -79,7 +84,7 @@ def try_env(
     except _user_errors() as error:
         raise _fail(str(error)) from None
     generator = torch.Generator().manual_seed(seed)
-    trajectory = roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progress)
+    trajectory = roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progress, max_prompt_length)
     show_transcript(trajectory.messages, show_system)
     state = trajectory.metadata["state"]
     scores = trajectory.metadata["env_scores"]
@@ -100,7 +105,8 @@ def show_scores(env, scores: dict[str, float], counters: dict, data: dict) -> No
     total = sum(env.weights.get(k, 0.0) * v for k, v in scores.items())
     table.add_row("[bold]total[/]", f"[bold]{total:.3f}[/]", "")
     out.print(table)
-    shown = {k: v for k, v in counters.items() if k.startswith("tool_errors") or k == "tool_calls"}
+    shown = {k: v for k, v in counters.items()
+             if k.startswith(("tool_errors", "user")) or k in ("tool_calls", "user_turns")}
     out.print(f"counters: {json.dumps(shown)}", highlight=False)
     if data.get("env_bugs"):  # the env author's mistake, not the model's: said loudly
         out.print(Panel(escape("\n".join(data["env_bugs"])), title="bug in the env's own code (tool_errors/env_bug)",
@@ -186,22 +192,48 @@ def demos(
         err.print("[yellow]warning[/]: these are held-out tasks: train on them and the held-out score means nothing")
 
 
-def _load(name: str, option: list[str] | None):
+def _load(name: str, option: list[str] | None, user: str | None = None):
     from grooves.envs import load_env
 
+    spec = None
+    if user is not None:
+        try:
+            spec = json.loads(user) if user.lstrip().startswith("{") else user
+        except json.JSONDecodeError as error:
+            raise _fail(f"--user: not a JSON table: {error}") from None
     try:
-        return load_env(name, **_options(option or []))
+        return load_env(name, user=spec, **_options(option or []))
     except (KeyError, ValueError, TypeError) as error:
         raise _fail(str(error.args[0] if error.args else error)) from None
 
 
-def roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progress):
+def prompt_warnings(tokens: int, limit: int, budget: int | None) -> list[str]:
+    """What is wrong with a first prompt of ``tokens`` tokens: over a run's ``max_prompt_length``
+    (a run would skip the task), over the env's ``prompt_budget``."""
+    said = []
+    if tokens > limit:
+        said.append(f"the prompt is {tokens} tokens, over sampling.max_prompt_length = {limit} "
+                    f"(--max-prompt-length): a training run would skip this task")
+    if budget is not None and tokens > budget:
+        said.append(f"the prompt is {tokens} tokens, over the env's prompt_budget of {budget}")
+    return said
+
+
+def roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progress, max_prompt_length=None):
     """One rollout by the training code (``grooves.envs.rollout``), turn by turn so that
-    ``progress`` can say which turn is decoding."""
+    ``progress`` can say which turn is decoding; a first prompt too long to train on is said first."""
     from grooves.envs.rollout import advance, sampler_generate, start, trajectory
 
     generate = sampler_generate(policy, temperature, 1.0, generator)
     state = start(policy, env, task, seed)
+    tokens, context = len(state.tokens.prompt_ids), int(getattr(policy.causal_lm.config, "max_position_embeddings",
+                                                                   2048))
+    if tokens > context:  # said before minutes of decoding that could not mean anything
+        env.close(state)
+        raise _fail(f"task {task.get('id')}: the prompt (system, tools, task) is {tokens} tokens, over the model's "
+                    f"context of {context}")
+    for warning in prompt_warnings(tokens, max_prompt_length or context, getattr(env, "prompt_budget", None)):
+        err.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False, soft_wrap=True)
     try:
         while not env.is_done(state):
             progress.phase("rolling out", f"task {task.get('id')}, turn {state.turns + 1} of at most {env.max_turns}")

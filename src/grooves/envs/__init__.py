@@ -73,8 +73,15 @@ def import_env(path: str) -> object:
         raise ValueError(f"cannot load env {path}: {type(error).__name__}: {detail}") from None
 
 
-def load_env(name: str, /, **options) -> Env:
-    return env_class(name)(**options)
+def load_env(name: str, /, user: str | dict | None = None, **options) -> Env:
+    """The env ``name`` with ``options``; ``user`` (``grooves.envs.users.make_user``: ``"scripted"``
+    or a table) answers its text turns in place of the env's own user."""
+    env = env_class(name)(**options)
+    if user is not None:
+        from grooves.envs.users import make_user
+
+        env.user = make_user(user)
+    return env
 
 
 __all__ = [

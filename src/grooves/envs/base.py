@@ -102,7 +102,9 @@ class Env:
     # --- what subclasses provide --------------------------------------------------
 
     def tasks(self, split: str = "train", n: int | None = None, seed: int = 0) -> list[Task]:
-        """Tasks with everything ``score`` needs (expected outcomes); ``split`` is train or heldout."""
+        """Tasks with everything ``score`` needs (expected outcomes); ``split`` is train or heldout.
+        With ``n`` None, every task of the split (``env replay --task`` looks an id up among them);
+        otherwise ``n`` of them, chosen and ordered by ``seed``."""
         raise NotImplementedError
 
     def setup(self, state: State) -> None:

@@ -62,8 +62,8 @@ class State:
 
 def stored_data(data: dict[str, Any], limit: int) -> dict[str, Any]:
     """What a stored trajectory keeps of ``state.data``: at most ``limit`` characters of JSON (besides
-    ``ALWAYS_STORED``). The largest values are replaced, one by one, by ``{"omitted_chars": n, "sha256": ...}`` (of their
-    JSON) until the rest fits; so two rollouts that ended with equal data still compare equal."""
+    ``ALWAYS_STORED``). The largest values are replaced, one by one, by ``{"omitted_chars": n,
+    "sha256": ...}`` (of their JSON) until the rest fits; equal data still compare equal."""
     sizes = {key: len(json.dumps(value, default=str)) for key, value in data.items() if key not in ALWAYS_STORED}
     kept, total = dict(data), sum(sizes.values())
     for key in sorted(sizes, key=lambda k: (-sizes[k], k)):

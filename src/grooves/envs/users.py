@@ -12,13 +12,18 @@ with ``text`` as the answer. By default it asks ``env.user``, if one is set:
 
 Where the user has got to lives in ``state.data`` and ``state.messages``, so a snapshot
 taken between turns resumes the same conversation.
+
+``make_user(spec)`` builds one from a config's ``[env] user``: ``"scripted"``, or a table
+``{kind = "scripted", key = ...}`` or ``{kind = "llm", base_url = ..., model = ..., ...}``.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from grooves.envs.base import State
 from grooves.types import Message
@@ -82,3 +87,27 @@ class LLMUser:
         content = (reply.choices[0].message.content or "").strip()
         state.counters["user/llm_calls"] += 1
         return None if not content or self.stop in content else content
+
+
+USER_KINDS = {"scripted": ScriptedUser, "llm": LLMUser}
+
+
+def make_user(spec: str | dict[str, Any]) -> ScriptedUser | LLMUser:
+    """A user from a config's ``[env] user``; a bad spec is a ``ValueError`` naming the setting."""
+    if isinstance(spec, str):
+        spec = {"kind": spec}
+    if not isinstance(spec, dict):
+        raise ValueError(f"user: {spec!r} is neither a kind ({', '.join(USER_KINDS)}) nor a table")
+    settings = dict(spec)
+    kind = settings.pop("kind", None)
+    if kind not in USER_KINDS:
+        raise ValueError(f"user.kind: {kind!r}; allowed: {', '.join(USER_KINDS)}")
+    cls = USER_KINDS[kind]
+    parameters = inspect.signature(cls).parameters
+    unknown = sorted(set(settings) - set(parameters))
+    if unknown:
+        raise ValueError(f"user.{unknown[0]}: not a setting when kind = {kind!r}; allowed: {', '.join(parameters)}")
+    missing = [n for n, p in parameters.items() if p.default is inspect.Parameter.empty and n not in settings]
+    if missing:
+        raise ValueError(f"user.{missing[0]}: required when kind = {kind!r}")
+    return cls(**settings)

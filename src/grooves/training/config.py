@@ -61,6 +61,9 @@ class EnvConfig(Section):
     heldout_tasks: int = Field(40, ge=0, description="Held-out tasks generated for validation.")
     weights: dict[str, float] = Field(default_factory=dict, description="Weight of each env score in the "
                                       "total (default: the env's own weights); 0 logs a score only.")
+    user: str | dict[str, Any] | None = Field(None, description="Who answers the agent's text turns: "
+                                              "'scripted' (each task's user_turns), or a table {kind = 'llm', "
+                                              "base_url, model, ...} (grooves.envs.users); default: the env's own.")
 
 
 class MixConfig(Section):
