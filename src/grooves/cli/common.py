@@ -2,13 +2,42 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
 
-out = Console()
+
+class Stdout(Console):
+    """The commands' stdout. Text (a message, a command to copy) is never hard-wrapped, in a terminal
+    or a file: a ``grooves train ...`` split over two lines pastes as two commands. Panels are laid
+    out to the width; a table printed to a file or a pipe is widened as far as its longest words
+    need, so no cell is cut to ``0.…`` (a terminal shows what fits, as a terminal must)."""
+
+    def print(self, *objects, soft_wrap: bool | None = None, **kwargs) -> None:
+        if soft_wrap is None and all(isinstance(o, (str, Text)) for o in objects):
+            soft_wrap = True
+        tables = [o for o in objects if isinstance(o, Table)] if not self.is_terminal else []
+        wide = max((self._unbroken(table) for table in tables), default=0)
+        if wide <= self.width:
+            return super().print(*objects, soft_wrap=soft_wrap, **kwargs)
+        width, self.width = self.width, wide
+        try:
+            super().print(*objects, soft_wrap=soft_wrap, **kwargs)
+        finally:
+            self.width = width
+
+    def _unbroken(self, table: Table) -> int:
+        """The narrowest width at which every cell's longest word fits (Rich wraps text at words)."""
+        return Measurement.get(self, self.options.update_width(1 << 16), table).minimum
+
+
+out = Stdout()
 err = Console(stderr=True, soft_wrap=True)  # no hard wraps: paths and messages stay copyable
 
 RunsOption = Annotated[Path | None, typer.Option("--runs", envvar="GROOVES_RUNS",
@@ -36,3 +65,21 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 def num(value) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _resume_command(command: str, config: Path, *, out_dir: Path | None = None, runs: Path | None = None) -> str:
+    """The command that continues this run, with the folders given: what a paused or interrupted run prints."""
+    words = ["grooves", command, str(config), "--resume"]
+    words += ["--out", str(out_dir)] if out_dir else []
+    words += ["--runs", str(runs)] if runs else []
+    return shlex.join(words)
+
+
+def _exit_for(run) -> None:
+    """Exit codes a script can tell apart: 1 failed, 3 halted by an alert, 130 interrupted."""
+    if run.halted_by == "failed":
+        raise _fail(f"run {run.name} failed: {run.halt_reason}", code=1)
+    if run.halted_by == "interrupt":
+        raise typer.Exit(130)
+    if run.halted_by:
+        raise typer.Exit(3)

@@ -219,7 +219,7 @@ def suggest(
     source: Annotated[str | None, typer.Option(help="Task column holding each sample's source text "
                                                "(default: the sample's user message).")] = None,
     tasks: Annotated[str | None, typer.Option(help="With --source: the tasks (a .jsonl/.csv file or builtin:NAME; "
-                                              "default: the tasks section of the run's config.toml).")] = None,
+                                              "default: the [tasks] table of the run's config.toml).")] = None,
     endpoint: Annotated[str | None, typer.Option(help="Endpoint name in the supported_by_source proposal "
                                                  "(default: the run config's first, else 'frozen').")] = None,
     write: Annotated[Path | None, typer.Option(help="Append the chosen proposal (a reward.components "

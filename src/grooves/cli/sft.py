@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from grooves.cli.common import RunsOption, _fail, _user_errors, err, num, out
+from grooves.cli.common import RunsOption, _fail, _resume_command, _user_errors, err, num, out
 
 
 def register(app: typer.Typer) -> None:
@@ -32,7 +32,6 @@ def sft(
 
     Exit codes: 0 done, 2 bad input, 130 Ctrl-C (after saving a checkpoint).
     """
-    from grooves.cli import _resume_command
     from grooves.training.config import ConfigError, load_config
     from grooves.training.sft import SFTConfig, run_sft_config
 
