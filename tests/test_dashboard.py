@@ -10,7 +10,7 @@ import socket
 import pytest
 from fastapi.testclient import TestClient
 
-from grooves.dashboard import create_app
+from grooves.dashboard.app import create_app
 from grooves.dashboard.app import hostname
 from grooves.dashboard.runs import token_spans
 from grooves.policy.models import byte_tokenizer
@@ -155,6 +155,57 @@ def test_the_dashboard_room_loads_no_room_above_it():
     import subprocess
     import sys
 
-    code = ("import sys, grooves.dashboard; "
+    code = ("import sys, grooves.dashboard.app; "
             "print(' '.join(m for m in sys.modules if m.startswith(('grooves.cli', 'grooves.serve', 'grooves.backend'))))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == ""
+
+
+def dashboard_imports() -> dict[str, set[str]]:
+    """Which ``grooves.dashboard`` modules each of its files imports, anywhere in the file: ``from
+    grooves.dashboard import runs`` imports the package (its ``__init__``) and ``runs``."""
+    import ast
+    from pathlib import Path
+
+    import grooves.dashboard.app
+
+    room = Path(grooves.dashboard.app.__file__).parent
+    modules = {p.stem for p in room.glob("*.py")}
+    graph = {}
+    for path in room.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("grooves.dashboard"):
+                names = [node.module] + [f"grooves.dashboard.{a.name}" for a in node.names
+                                         if node.module == "grooves.dashboard" and a.name in modules]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("grooves.dashboard")]
+            found |= set(names)
+        graph["grooves.dashboard" if path.stem == "__init__" else f"grooves.dashboard.{path.stem}"] = found
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle in ``graph``, each from the first module it meets."""
+
+    def circle(node, path):
+        if node in path:
+            return path[path.index(node):] + [node]
+        return next((found for nxt in sorted(graph.get(node, ())) if (found := circle(nxt, path + [node]))), None)
+
+    return [found for node in sorted(graph) if (found := circle(node, []))]
+
+
+def test_the_dashboard_package_and_its_modules_import_no_circle():
+    assert circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b", "a"], ["b", "a", "b"], ["a", "b", "a"]]
+    graph = dashboard_imports()
+    assert graph["grooves.dashboard"] == set()  # the package imports nothing: no module can import it back
+    assert graph["grooves.dashboard.app"] >= {"grooves.dashboard.runs", "grooves.dashboard.compare"}
+    assert circles(graph) == []
+
+
+def test_the_request_filter_is_not_called_a_guard():
+    import grooves.dashboard.app as app
+
+    # A Guard in grooves is a reward component that can veto; this middleware filters requests.
+    assert not hasattr(app, "Guard") and app.RequestFilter.__doc__.startswith("ASGI middleware")

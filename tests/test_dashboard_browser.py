@@ -80,7 +80,7 @@ def call(name: str, **arguments) -> str:
 
 @pytest.fixture(scope="module")
 def server(root):
-    from grooves.dashboard import create_app
+    from grooves.dashboard.app import create_app
     from grooves.serve.app import ServerThread
 
     with ServerThread(create_app(root, evals=root.parent / "evals")) as thread:

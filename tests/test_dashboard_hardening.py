@@ -16,7 +16,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from grooves.dashboard import create_app
+from grooves.dashboard.app import create_app
 from grooves.dashboard.app import MAX_BODY, is_loopback
 from grooves.dashboard.runs import thin
 from grooves.runs.store import RunStore

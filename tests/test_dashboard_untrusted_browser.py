@@ -70,7 +70,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(root):
-    from grooves.dashboard import create_app
+    from grooves.dashboard.app import create_app
     from grooves.serve.app import ServerThread
 
     with ServerThread(create_app(root, evals=root.parent / "evals")) as thread:

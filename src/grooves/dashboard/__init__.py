@@ -5,9 +5,9 @@ entropy, length, clipfrac) with its alerts on the same step axis, live while the
 review of a step's top, bottom and random samples with labelling (the labels
 ``grooves review --label`` writes); multi-turn transcripts with the trained tokens marked; and
 two checkpoints compared on the run's held-out tasks. It reads the run store and writes only
-labels. Every asset ships in ``static/`` (hand-written JS, SVG charts): it works offline.
+labels. Every asset ships in ``static/`` (the page's own JS and a vendored copy of uPlot for
+the charts): it works offline.
+
+The app is ``grooves.dashboard.app`` (``create_app``, ``serve``). This file imports nothing, so
+the package and its modules never import each other in a circle.
 """
-
-from grooves.dashboard.app import create_app, serve
-
-__all__ = ["create_app", "serve"]

@@ -7,7 +7,7 @@ Routes: ``GET /`` (the page), ``GET /static/...``, ``GET /api/runs``, ``GET /api
 Every answer carries a Content-Security-Policy that lets only the package's own script run
 and forbids framing (no clickjacking a label).
 
-Every request passes ``Guard`` first. Bound to loopback, the app answers only requests whose
+Every request passes ``RequestFilter`` first. Bound to loopback, the app answers only requests whose
 ``Host`` is a loopback name, so a web page elsewhere cannot read runs through DNS rebinding.
 A POST (a label, a comparison) must come from the dashboard's own page: a browser's
 ``Origin`` must be this server, the body must be JSON (``Content-Type: application/json``,
@@ -38,8 +38,8 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
-from grooves.dashboard import compare as comparing
-from grooves.dashboard import runs as reading
+import grooves.dashboard.compare as comparing
+import grooves.dashboard.runs as reading
 from grooves.workflows.review import ReviewError
 
 MAX_BODY = 64 * 1024
@@ -88,7 +88,7 @@ def hostname(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
-class Guard:
+class RequestFilter:
     """ASGI middleware that refuses, before any route runs: a non-loopback ``Host`` (when
     ``check_host``), a missing or wrong token (when ``token``), and a POST that is not the
     page's own JSON (a foreign ``Origin``, another content type, a body over ``MAX_BODY``)."""
@@ -202,7 +202,7 @@ def create_app(root: Path, *, evals: Path | None = None, check_host: bool = True
     app = FastAPI(title="grooves dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     static = resources.files("grooves.dashboard").joinpath("static")
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
-    app.add_middleware(Guard, check_host=check_host, token=token)
+    app.add_middleware(RequestFilter, check_host=check_host, token=token)
     compare_lock = threading.Lock()  # one comparison at a time: each loads models
 
     @app.exception_handler(reading.RunNotFound)
