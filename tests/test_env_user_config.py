@@ -86,3 +86,13 @@ def test_env_try_says_when_the_prompt_is_over_a_runs_limit_and_stops_over_the_co
     huge = CliRunner().invoke(app, ["env", "try", talk(1000), "--model", "tiny"])
     assert huge.exit_code == 2, huge.output
     assert "over the model's context of 2048" in huge.output and "rolling out" not in huge.output
+
+
+def test_env_replay_with_a_scripted_user_plays_the_whole_conversation(talk, tmp_path):
+    (tmp_path / "turns.json").write_text('["Hi.", "Sure.", "Done.", "Bye."]')
+    args = ["env", "replay", talk(), "--task", "t1", "--turns", "turns.json"]
+    result = CliRunner().invoke(app, args + ["--user", "scripted"])
+    assert result.exit_code == 0, result.output
+    assert "ended by its answer after 4 turns" in result.output and 'counters: {"user_turns": 3}' in result.output
+    alone = CliRunner().invoke(app, args)  # no user: the first text turn is the answer
+    assert alone.exit_code == 0 and "ended by its answer after 1 turn" in alone.output

@@ -23,6 +23,9 @@ app = typer.Typer(help="Agent environments: list them, try one rollout, replay a
                   no_args_is_help=True)
 
 ROLE_STYLES = {"system": "dim", "user": "cyan", "assistant": "green", "tool": "yellow"}
+UserOption = Annotated[str | None, typer.Option(help="Who answers text turns, as a config's [env] user: 'scripted' "
+                                                "(the task's user_turns) or a JSON table, e.g. '{\"kind\": "
+                                                "\"llm\", \"base_url\": \"...\", \"model\": \"...\"}'.")]
 
 
 @app.command("list")
@@ -55,9 +58,7 @@ def try_env(
     option: Annotated[list[str] | None, typer.Option("--option", "-o", help="Env setting KEY=VALUE (JSON "
                                                      "values), e.g. -o max_turns=4; repeatable.")] = None,
     show_system: Annotated[bool, typer.Option(help="Also print the system prompt (with the tools).")] = False,
-    user: Annotated[str | None, typer.Option(help="Who answers text turns, as a config's [env] user: 'scripted' "
-                                             "(the task's user_turns) or a JSON table, e.g. '{\"kind\": \"llm\", "
-                                             "\"base_url\": \"...\", \"model\": \"...\"}'.")] = None,
+    user: UserOption = None,
     max_prompt_length: Annotated[int, typer.Option(min=1, help="The limit a run would have (sampling."
                                                    "max_prompt_length): a longer first prompt is flagged.")] = 1024,
     runs: RunsOption = None,
@@ -122,12 +123,13 @@ def replay_env(
     seed: Annotated[int, typer.Option(help="Seeds the env's own randomness.")] = 0,
     option: Annotated[list[str] | None, typer.Option("--option", "-o", help="Env setting KEY=VALUE.")] = None,
     show_system: Annotated[bool, typer.Option(help="Also print the system prompt (with the tools).")] = False,
+    user: UserOption = None,
 ) -> None:
     """Play scripted assistant turns through NAME, no model involved, and print the transcript and
     the env's scores: check an env's oracle, or a transcript, against its own scoring."""
     from grooves.envs.replay import replay
 
-    env = _load(name, option)
+    env = _load(name, option, user)
     try:
         script = json.loads(turns.read_text())
     except (OSError, ValueError) as error:
@@ -161,6 +163,7 @@ def demos(
                                              "of the weights' sum) is at least this.")] = 1.0,
     temperature: Annotated[float, typer.Option(min=0.0, help="With --base-url: sampling temperature.")] = 0.0,
     option: Annotated[list[str] | None, typer.Option("--option", "-o", help="Env setting KEY=VALUE.")] = None,
+    user: UserOption = None,
 ) -> None:
     """Write demonstrations of NAME's tasks as chat JSONL for grooves sft: the env's expert
     transcripts replayed and kept only at full score, or a model's rollouts that score well enough."""
@@ -170,7 +173,7 @@ def demos(
         raise _fail(f"--split {split!r}: allowed: train, heldout")
     if base_url is not None and model is None:
         raise _fail("--base-url needs --model")
-    env = _load(name, option)
+    env = _load(name, option, user)
     tasks = env.tasks(split, n, seed=seed)
     try:
         if base_url is None:
