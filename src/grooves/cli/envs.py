@@ -229,8 +229,8 @@ def roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progr
 
     generate = sampler_generate(policy, temperature, 1.0, generator)
     state = start(policy, env, task, seed)
-    tokens, context = len(state.tokens.prompt_ids), int(getattr(policy.causal_lm.config, "max_position_embeddings",
-                                                                   2048))
+    tokens = len(state.tokens.prompt_ids)
+    context = int(getattr(policy.causal_lm.config, "max_position_embeddings", 2048))
     if tokens > context:  # said before minutes of decoding that could not mean anything
         env.close(state)
         raise _fail(f"task {task.get('id')}: the prompt (system, tools, task) is {tokens} tokens, over the model's "
