@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import re
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -227,3 +231,31 @@ def test_the_depth_bound_covers_every_body_the_sdk_sends():
         return 0
 
     assert depth(request.model_dump(mode="json")) == 5 < edge.MAX_JSON_DEPTH
+
+
+def test_grooves_backend_serve_prints_each_refusal_and_disconnect_in_one_line(tmp_path):
+    """The command itself (a subprocess): what an operator reads on stderr."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[tenants.alice]\nkey = "{ALICE}"\n')
+    proc = subprocess.Popen([sys.executable, "-c", "from grooves.cli import main; main()", "backend", "serve",
+                             "--model", "tiny", "--port", "0", "--keys", str(keys), "--runs", str(tmp_path)],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        banner = proc.stderr.readline()
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", banner).group(1))
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"X-API-Key": ALICE}, timeout=60) as http:
+            assert http.post("/api/v1/asample", json=sample_body(seed=2**64)).status_code == 400
+            assert http.get("/api/v1/healthz", headers={"X-API-Key": "tml-nobody-0000000"}).status_code == 401
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: " + ALICE.encode() +
+                         b"\r\nContent-Length: 100\r\n\r\n{")
+            time.sleep(0.5)
+        time.sleep(0.5)
+    finally:
+        proc.terminate()
+        rest = proc.communicate(timeout=60)[1]
+    lines = [line.split(" ", 3)[-1] for line in rest.splitlines()]  # without the date, time and level
+    assert "POST /api/v1/asample -> 400: sampling_params.seed must be 0..2**64-1, got 18446744073709551616" in lines
+    assert "GET /api/v1/healthz -> 401: missing or unknown X-API-Key" in lines
+    assert "POST /api/v1/create_session: the client disconnected before its request was read" in lines
+    assert "Traceback" not in rest

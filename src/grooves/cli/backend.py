@@ -5,6 +5,7 @@ Needs the ``backend`` extra (``pip install 'grooves[backend]'``); see docs/backe
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -62,6 +63,11 @@ def serve_command(
     except (*_user_errors(), ValueError) as error:
         sock.close()
         raise _fail(str(error)) from None
+    handler = logging.StreamHandler()  # stderr: every refusal with its reason, one line each
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    service_log = logging.getLogger("grooves.backend")
+    service_log.addHandler(handler)
+    service_log.setLevel(logging.INFO)
     bound_host, bound_port = sock.getsockname()[:2]
     err.print(f"[bold]grooves backend[/]: training LoRAs on {model} for {len(tenants)} tenant(s) on "
               f"http://{bound_host}:{bound_port} (checkpoints under {root})", highlight=False)
