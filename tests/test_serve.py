@@ -157,6 +157,27 @@ def test_adapters_by_name_alias_and_runtime_changes(server, client, runs):
         client.delete("/adapters/nothing-here", cast_to=object)
 
 
+def test_a_reply_names_the_checkpoint_that_answered(server, client, runs):
+    """``RUN@latest``, an alias and a step all say which weights served them, in the body
+    (``system_fingerprint``) and in a header, streamed too; the base says its own name."""
+    from grooves.policy.checkpoints import list_checkpoints
+
+    newest = list_checkpoints(runs / "tiny-run")[-1][0]
+    for model, served in (("tiny-run@latest", f"tiny-run@{newest}"), ("echo", "tiny-run@2"),
+                          ("tiny-run@2", "tiny-run@2"), ("tiny", "tiny")):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+        assert raw.parse().system_fingerprint == served and raw.headers["x-grooves-checkpoint"] == served
+    with client.chat.completions.with_streaming_response.create(
+            model="tiny-run@latest", messages=[{"role": "user", "content": "hello"}], max_tokens=2,
+            stream=True) as response:
+        assert response.headers["x-grooves-checkpoint"] == f"tiny-run@{newest}"
+        fingerprints = {chunk.system_fingerprint for chunk in response.parse()}
+    assert fingerprints == {None, f"tiny-run@{newest}"}  # on the last chunk, as vLLM sends it
+    legacy = client.completions.create(model="tiny-run@latest", prompt="hi", max_tokens=2)
+    assert legacy.system_fingerprint == f"tiny-run@{newest}"
+
+
 def test_latest_follows_a_run_that_keeps_training(server, client, runs, tmp_path):
     before = ask(client, "tiny-run@latest", max_tokens=4, extra_body={"return_token_ids": True})
     step = before.model_extra["grooves"]["adapter_step"]

@@ -62,6 +62,8 @@ def _decode(policy, rows: list[Row], on_token: TokenCallback | None) -> list[Row
             if ((token in stop_ids and not row.ignore_eos) or _hits_stop_string(policy, out.token_ids, row.stop)
                     or (row.constraint is not None and row.constraint.is_terminated())):
                 out.finish_reason = "stop"
+            elif row.cancelled is not None and row.cancelled():  # its client is gone: stop paying for it
+                out.finish_reason = "abort"
             elif len(out.token_ids) < row.max_new_tokens:
                 keep.append(position)
             if row.keep_past and position not in keep:  # leaving the batch: take its KV with it

@@ -37,6 +37,7 @@ class Row:
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
     past: Past | None = None  # the KV of a prefix of prompt_ids, from an earlier decode (keep_past)
     keep_past: bool = False  # return the row's KV (prompt and tokens but the last) as RowOutput.past
+    cancelled: Callable[[], bool] | None = None  # asked after each token: True ends the row ("abort")
 
 
 @dataclass
@@ -57,7 +58,7 @@ class RowOutput:
     text: str
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (stop token, stop string or finished constraint) or "length"
+    finish_reason: str  # "stop" (stop token, stop string or finished constraint), "length" or "abort"
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     past: Past | None = None  # with Row.keep_past: the KV of prompt_ids + token_ids[:-1]
 

@@ -2,9 +2,15 @@
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions`` (streaming
 with SSE), ``POST /v1/completions`` (legacy), ``POST /v1/adapters``,
-``DELETE /v1/adapters/{name}``, ``GET /health``. The edge (``edge.py``) checks the key and the
-body size, logs one line per request and answers every error in OpenAI's JSON shape;
-streaming is in ``streaming.py``, the legacy API in ``legacy.py``.
+``DELETE /v1/adapters/{name}``, vLLM's ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter`` (``lora.py``), ``GET /health``. The edge (``edge.py``) checks
+the key and the body size, logs one line per request and answers every error in OpenAI's JSON
+shape; streaming is in ``streaming.py``, the legacy API in ``legacy.py``.
+
+Every reply names the weights that answered (``system_fingerprint`` and the
+``X-Grooves-Checkpoint`` header: ``RUN@STEP`` for a checkpoint, ``RUN@latest`` included, a
+runtime LoRA's name, or the base spec); the name is resolved once, when the request arrives,
+and that checkpoint serves it. A client that goes away stops its generation.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from grooves.serve.adapters import AdapterRegistry, UnknownModel
@@ -25,10 +31,15 @@ from grooves.serve.edge import install_edge
 from grooves.serve.engine import Engine, EngineStopped, Failed, Finished, GenerationRequest
 from grooves.serve.grammar import GrammarError
 from grooves.serve.legacy import completions
+from grooves.serve.lora import install_lora_routes, model_card
 from grooves.serve.protocol import AdapterRequest, ApiError, ChatCompletionRequest, CompletionRequest
 from grooves.serve.responses import completion_body
-from grooves.serve.server import MAX_BODY_BYTES, Server, as_api_error, event_queue, next_event, stopped_error, submit
-from grooves.serve.streaming import chat_stream
+from grooves.serve.server import (
+    CLIENT_GONE, MAX_BODY_BYTES, SERVED_HEADER, Server, as_api_error, event_queue, next_event, stopped_error, submit,
+    watch_client,
+)
+from grooves.serve.streaming import CancellingStream, chat_stream
+from grooves.serve.tokens import prompt_logprobs, scored_prompt
 
 __all__ = ["Server", "ServerThread", "bind", "build_server", "create_app", "serve_forever"]
 
@@ -40,11 +51,8 @@ def create_app(server: Server) -> FastAPI:
     app.state.server = server
     install_edge(app, server)
     _install_routes(app, server)
+    install_lora_routes(app, server)
     return app
-
-
-def _model_card(model_id: str) -> dict:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "grooves"}
 
 
 def _install_routes(app: FastAPI, server: Server) -> None:
@@ -53,18 +61,20 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         running = server.engine.running
         body = {"status": "ok" if running else "engine stopped", "engine": "running" if running else "stopped",
                 "queued": server.engine.queue.qsize(), "batches": server.engine.batches,
-                "adapters_loaded": len(server.registry.loaded())}
+                "adapters_loaded": len(server.registry.loaded()),
+                "generated_tokens": server.engine.generated_tokens,
+                "cancelled_requests": server.engine.cancelled_requests}
         return JSONResponse(body, status_code=200 if running else 503)
 
     @app.get("/v1/models")
     async def models() -> dict:
         ids = await run_in_threadpool(server.registry.model_ids)
-        return {"object": "list", "data": [_model_card(i) for i in ids]}
+        return {"object": "list", "data": [model_card(server, i) for i in ids]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         await run_in_threadpool(server.resolve, model_id)
-        return _model_card(model_id)
+        return model_card(server, model_id)
 
     @app.post("/v1/adapters")
     async def add_adapter(body: AdapterRequest) -> dict:
@@ -94,26 +104,37 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         generation, events = await _prepare(server, body)
         record.update(model=body.model, prompt_tokens=len(generation.prompt_ids))
         submit(server, generation)
+        served = generation.resolved.served
+        headers = {SERVED_HEADER: served}
         if body.stream:
-            return StreamingResponse(chat_stream(server, body, generation.prompt_ids, events, record),
-                                     media_type="text/event-stream")
-        while True:
-            event = await next_event(server, events)
-            if isinstance(event, Finished):
-                record["completion_tokens"] = sum(len(o.token_ids) for o in event.outputs)
-                return completion_body(body, server.policy, generation.prompt_ids, event.outputs, event.adapter_step)
-            if isinstance(event, Failed):
-                raise as_api_error(event.error)
+            stream = chat_stream(server, body, generation.prompt_ids, events, record, served)
+            return CancellingStream(stream, generation.cancelled, media_type="text/event-stream", headers=headers)
+        async with watch_client(request.receive, generation.cancelled) as gone:
+            event = None
+            while not isinstance(event, Finished):
+                event = await next_event(server, events, gone)
+                if event is None:
+                    return Response(status_code=CLIENT_GONE)
+                if isinstance(event, Failed):
+                    raise as_api_error(event.error)
+        record["completion_tokens"] = sum(len(o.token_ids) for o in event.outputs)
+        scored = None
+        if body.wants_prompt_logprobs:
+            ids = generation.prompt_ids
+            scored = prompt_logprobs(server.policy.tokenizer, ids,
+                                     await scored_prompt(server, generation.resolved, ids, body.prompt_logprobs))
+        return JSONResponse(completion_body(body, server.policy, generation.prompt_ids, event.outputs,
+                                            event.adapter_step, served, scored), headers=headers)
 
     @app.post("/v1/completions")
     async def legacy_completions(body: CompletionRequest, request: Request):
-        return await completions(server, body, request.state.record)
+        return await completions(server, body, request)
 
 
 async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[GenerationRequest, asyncio.Queue]:
     """Validate and tokenise a request; build its generation request and its event queue."""
     body.check_supported()
-    server.resolve(body.model)
+    resolved = server.resolve(body.model)
     server.check_text(sum(len(m.content or "") for m in body.messages))
     prompt_ids = await run_in_threadpool(server.policy.chat_ids, body.message_dicts, body.tool_schemas)
     room = server.context_length - len(prompt_ids)
@@ -125,7 +146,7 @@ async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[Generat
     generation = GenerationRequest(
         model=body.model, prompt_ids=prompt_ids, deliver=put, n=body.n, temperature=body.temperature,
         top_p=body.top_p, max_tokens=max_tokens, stop=body.stop_list, seed=body.seed, top_logprobs=top_logprobs,
-        constraint=constraint, stream=body.stream, ignore_eos=body.ignore_eos)
+        constraint=constraint, stream=body.stream, ignore_eos=body.ignore_eos, resolved=resolved)
     return generation, events
 
 
@@ -165,11 +186,13 @@ def _compiled(server: Server, param: str, make) -> None:
 
 def build_server(model: str, runs=None, api_key: str | None = None, aliases: dict[str, str] | None = None,
                  device: str = "cpu", max_batch_rows: int = 32, max_queue: int = 64, max_loaded: int = 8,
-                 batch_window_s: float = 0.005, max_body_bytes: int = MAX_BODY_BYTES) -> Server:
+                 batch_window_s: float = 0.005, max_body_bytes: int = MAX_BODY_BYTES,
+                 lora_roots: list | None = None) -> Server:
+    """``lora_roots``: the folders ``load_lora_adapter`` may load from (default: the runs root)."""
     from grooves.policy import Policy
 
     policy = Policy.load(model, device=device)
-    registry = AdapterRegistry(policy, runs, aliases, max_loaded=max_loaded)
+    registry = AdapterRegistry(policy, runs, aliases, max_loaded=max_loaded, lora_roots=lora_roots)
     engine = Engine(policy, registry, max_batch_rows=max_batch_rows, max_queue=max_queue,
                     batch_window_s=batch_window_s).start()
     return Server(policy, registry, engine, api_key=api_key, max_body_bytes=max_body_bytes)

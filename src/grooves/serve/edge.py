@@ -23,6 +23,7 @@ from grooves.serve.server import Server
 
 log = logging.getLogger("grooves.serve")
 
+_VLLM_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _OPEN_PATHS = ("/health",)  # the only route without the key: load balancers probe it
 _TYPE_TAG = re.compile(r"[\[\-]|^(str|int|float|bool|dict|list|none)$")  # pydantic's union branch names
 
@@ -104,6 +105,8 @@ def install_edge(app: FastAPI, server: Server) -> None:
             return JSONResponse(ApiError(400, f"the body is not valid JSON: {first['msg']}").body(), 400)
         param = param_path(first.get("loc", ()))
         message = f"{param}: {first['msg']}" if param else str(first["msg"])
+        if request.url.path in _VLLM_ROUTES:  # vLLM's shape there: its type name, the status as the code
+            return JSONResponse(ApiError(400, message, "BadRequestError", code=400, param=param).body(), 400)
         return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
 
     @app.exception_handler(HTTPException)

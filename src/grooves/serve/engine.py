@@ -9,6 +9,10 @@ raises ``QueueFull`` at once (the server answers 429); nothing waits unboundedly
 Each sample gets its own random generator (seeded from the request's ``seed`` plus the
 sample's index), so a seeded request gives the same text whatever else shares its batch.
 
+A request whose client has gone (``cancelled`` set by the HTTP layer) is skipped if still
+queued, and its rows leave the running batch at their next token; ``generated_tokens`` counts
+every token made, so a test can see generation stop.
+
 The worker survives any exception: a request whose rows cannot be built fails alone, a
 failed batch fails its own requests, and the thread goes on. ``halt()`` (shutdown) makes
 the running batch stop at its next token and fails everything still queued, so no client
@@ -29,7 +33,7 @@ from typing import Any
 import torch
 
 from grooves.policy.decoding import Constraint, Row, RowOutput, decode
-from grooves.serve.adapters import AdapterRegistry
+from grooves.serve.adapters import AdapterRegistry, Resolved
 
 QueueFull = queue.Full
 log = logging.getLogger("grooves.serve")
@@ -41,6 +45,10 @@ class EngineStopped(RuntimeError):
 
 class _Halted(Exception):
     """Raised from the token callback to end a batch at once when the engine halts."""
+
+
+class Cancelled(RuntimeError):
+    """The request's client went away before it was served."""
 
 
 @dataclass
@@ -80,6 +88,8 @@ class GenerationRequest:
     constraint: Callable[[], Constraint] | None = None  # a fresh constraint for each sample
     stream: bool = False
     ignore_eos: bool = False
+    resolved: Resolved | None = None  # the model pinned when the request arrived; None: resolve ``model`` here
+    cancelled: threading.Event = field(default_factory=threading.Event)  # set when the client is gone
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -101,6 +111,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="grooves-engine", daemon=True)
         self.batches = 0  # counters for tests and /health
         self.largest_batch = 0
+        self.generated_tokens = 0
+        self.cancelled_requests = 0
 
     def start(self) -> Engine:
         self._thread.start()
@@ -201,8 +213,12 @@ class Engine:
         steps: dict[int, int | None] = {}
         in_use: set[str] = set()
         for request in batch:
+            if request.cancelled.is_set():
+                self.cancelled_requests += 1
+                _deliver(request, Failed(Cancelled("the client went away")))
+                continue
             try:  # anything wrong with one request (its model, its seed, its grammar) fails it alone
-                resolved = self.registry.resolve(request.model)
+                resolved = request.resolved or self.registry.resolve(request.model)
                 adapter = self.registry.acquire(resolved, in_use)
                 own = [self._row(request, index, adapter) for index in range(request.n)]
             except Exception as error:
@@ -218,6 +234,7 @@ class Engine:
         def on_token(row: int, token: int, logprob: float) -> None:
             if self._stopping.is_set():
                 raise _Halted
+            self.generated_tokens += 1
             request, index = owners[row]
             if request.stream:
                 probe = rows[row].constraint
@@ -241,6 +258,8 @@ class Engine:
         for (request, _), output in zip(owners, outputs):
             by_request.setdefault(id(request), []).append(output)
         for request in requests:
+            if request.cancelled.is_set():
+                self.cancelled_requests += 1
             _deliver(request, Finished(by_request[id(request)], steps[id(request)]))
 
     def _row(self, request: GenerationRequest, index: int, adapter: str) -> Row:
@@ -251,7 +270,8 @@ class Engine:
         if request.stream and request.top_logprobs:
             constraint = TopLogprobs(request.top_logprobs, constraint)
         return Row(request.prompt_ids, request.temperature, request.top_p, request.max_tokens, request.stop,
-                   generator, adapter, constraint, request.top_logprobs, request.ignore_eos)
+                   generator, adapter, constraint, request.top_logprobs, request.ignore_eos,
+                   cancelled=request.cancelled.is_set)
 
 
 def _deliver(request: GenerationRequest, event: Event) -> None:

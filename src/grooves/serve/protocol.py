@@ -8,11 +8,14 @@ silently ignored: ``logit_bias``, ``frequency_penalty``/``presence_penalty``, th
 (at most one call is returned). Extra fields that change nothing about the output
 (``user``, ``metadata``, ``store``, ...) are accepted, as many clients send them.
 
-Extensions (``extra_body`` in the openai client): with ``"return_token_ids": true`` the
-response carries ``grooves.prompt_token_ids`` and ``grooves.adapter_step`` at the top level
-and ``grooves.completion_token_ids`` / ``grooves.completion_logprobs`` in each choice: the
-exact ids the model saw and produced, so a trajectory is rebuilt without re-tokenising.
-``"ignore_eos": true`` makes every sample exactly ``max_tokens`` long (for benchmarks).
+Extensions (``extra_body`` in the openai client), with vLLM's names where vLLM has them:
+``"return_token_ids": true`` adds vLLM's ``prompt_token_ids`` (top level; per choice on
+``/v1/completions``) and ``token_ids`` (per choice, per chunk when streamed), and grooves'
+own ``grooves`` block (``prompt_token_ids``, ``adapter_step``; per choice
+``completion_token_ids``, ``completion_logprobs``): the exact ids the model saw and produced,
+so a trajectory is rebuilt without re-tokenising. ``"prompt_logprobs": k`` adds vLLM's
+``prompt_logprobs`` (not when streamed). ``"ignore_eos": true`` makes every sample exactly
+``max_tokens`` long (for benchmarks). docs/serve.md has the table.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
 SEED_RANGE = {"ge": -(2**63), "le": 2**63 - 1}  # what torch's generators take (plus the sample index)
 _TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
@@ -100,7 +104,9 @@ class SamplingFields(_Lenient):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    ignore_eos: bool = False  # grooves extension: always generate max_tokens (for benchmarks)
+    ignore_eos: bool = False  # vLLM's name: always generate max_tokens (for benchmarks)
+    return_token_ids: bool = False  # vLLM's name: the prompt's and each sample's token ids in the reply
+    prompt_logprobs: int | None = None  # vLLM's name: each prompt token's logprob and the top k there
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -123,6 +129,24 @@ class SamplingFields(_Lenient):
             raise ApiError(400, "stop: at most 4 strings", param="stop")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
+        self._check_prompt_logprobs()
+
+    def _check_prompt_logprobs(self) -> None:
+        """vLLM's checks and messages; grooves also refuses -1 (the whole vocabulary) and more than 20."""
+        k = self.prompt_logprobs
+        if k is None:
+            return
+        if self.stream and (k > 0 or k == -1):
+            raise ApiError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        if k < 0 and k != -1:
+            raise ApiError(400, "`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
+        if k == -1 or k > MAX_PROMPT_LOGPROBS:
+            raise ApiError(400, f"prompt_logprobs: at most {MAX_PROMPT_LOGPROBS} per token on grooves serve "
+                                "(-1, the whole vocabulary, is not supported)", param="prompt_logprobs")
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and not self.stream
 
 
 # Fields of OpenAI's chat API that change the output and that grooves does not implement.
@@ -140,7 +164,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
     modalities: list[Literal["text"]] | None = None
-    return_token_ids: bool = False
 
     @property
     def message_dicts(self) -> list[dict[str, Any]]:
@@ -214,6 +237,21 @@ class CompletionRequest(SamplingFields):
         if self.stream and (self.echo or self.logprobs is not None):
             param = "echo" if self.echo else "logprobs"
             raise unsupported(param, "not supported with stream: true on /v1/completions")
+
+
+class LoadLoRARequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body; other fields vLLM takes (``is_3d_lora_weight``) are ignored."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRARequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body (vLLM's ``lora_int_id`` is accepted and unused)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class AdapterRequest(BaseModel):

@@ -93,21 +93,28 @@ def choice_message(request: ChatCompletionRequest, text: str, finish_reason: str
 
 
 def completion_body(request: ChatCompletionRequest, policy, prompt_ids: list[int], outputs: list[RowOutput],
-                    adapter_step: int | None) -> dict[str, Any]:
+                    adapter_step: int | None, served: str | None = None,
+                    prompt_logprobs: list | None = None) -> dict[str, Any]:
+    """A chat completion; ``served`` (RUN@STEP, a LoRA's name or the base) becomes ``system_fingerprint``."""
     choices = []
     for index, output in enumerate(outputs):
         message, finish = choice_message(request, output.text, output.finish_reason)
         choice = {"index": index, "message": message, "finish_reason": finish,
                   "logprobs": logprobs_block(policy, output) if request.logprobs else None}
         if request.return_token_ids:
+            choice["token_ids"] = output.token_ids
             choice["grooves"] = {"completion_token_ids": output.token_ids, "completion_logprobs": output.logprobs}
         choices.append(choice)
     body = {
         "id": completion_id(), "object": "chat.completion", "created": int(time.time()), "model": request.model,
-        "choices": choices, "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
+        "system_fingerprint": served, "choices": choices,
+        "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
     }
     if request.return_token_ids:
+        body["prompt_token_ids"] = prompt_ids
         body["grooves"] = {"prompt_token_ids": prompt_ids, "adapter_step": adapter_step}
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
     return body
 
 

@@ -1,21 +1,26 @@
-"""What the HTTP layer shares: the server's parts, handing work to the engine, waiting for it."""
+"""What the HTTP layer shares: the server's parts, handing work to the engine, waiting for it,
+and noticing a client that has gone so its generation stops."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from grooves.serve.adapters import AdapterRegistry, UnknownModel
-from grooves.serve.engine import Engine, EngineStopped, Event, GenerationRequest, QueueFull
+from grooves.serve.engine import Cancelled, Engine, EngineStopped, Event, GenerationRequest, QueueFull
 from grooves.serve.grammar import Grammars
 from grooves.serve.protocol import ApiError
 
 log = logging.getLogger("grooves.serve")
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a small model's context
+SERVED_HEADER = "X-Grooves-Checkpoint"  # which weights answered: RUN@STEP, a runtime LoRA's name or the base
+CLIENT_GONE = 499  # nginx's "client closed request": the log line's status when nobody was left to answer
 
 
 @dataclass
@@ -82,12 +87,15 @@ def submit(server: Server, generation: GenerationRequest) -> None:
         raise stopped_error() from None
 
 
-async def next_event(server: Server, events: asyncio.Queue) -> Event:
-    """The engine's next event for a request; a stopped engine ends the wait instead of hanging it."""
+async def next_event(server: Server, events: asyncio.Queue, gone: list[bool] | None = None) -> Event | None:
+    """The engine's next event for a request; a stopped engine ends the wait instead of hanging it,
+    and so does a client that has gone (``gone`` from ``watch_client``): then None."""
     while True:
         try:
-            return await asyncio.wait_for(events.get(), timeout=1.0)
+            return await asyncio.wait_for(events.get(), timeout=1.0 if gone is None else 0.1)
         except asyncio.TimeoutError:
+            if gone is not None and gone[0]:
+                return None
             if not server.engine.running and events.empty():
                 raise stopped_error() from None
 
@@ -95,6 +103,27 @@ async def next_event(server: Server, events: asyncio.Queue) -> Event:
 def stopped_error() -> ApiError:
     return ApiError(503, "the server's engine is not running (shutting down)", "server_error",
                     code="engine_stopped")
+
+
+@contextlib.asynccontextmanager
+async def watch_client(receive, cancelled: threading.Event):
+    """While the body runs, a client that disconnects sets ``cancelled`` (the engine then drops its
+    rows); on the way out it is set anyway, since no one waits for more tokens. Yields a list that
+    holds True once the client is known to be gone."""
+    gone = [False]
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone[0] = True
+        cancelled.set()
+
+    task = asyncio.create_task(watch())
+    try:
+        yield gone
+    finally:
+        task.cancel()
+        cancelled.set()
 
 
 def as_api_error(error: Exception) -> ApiError:
@@ -105,5 +134,7 @@ def as_api_error(error: Exception) -> ApiError:
         return ApiError(404, str(error), code="model_not_found", param="model")
     if isinstance(error, EngineStopped):
         return stopped_error()
+    if isinstance(error, Cancelled):
+        return ApiError(CLIENT_GONE, "the client went away", code="client_closed_request")
     log.error("generation failed", exc_info=error)
     return ApiError(500, "generation failed (the server log has the details)", "server_error")

@@ -6,15 +6,26 @@ end (it is only known to be a tool call once it is complete), its calls as the s
 deltas: each with its ``index``, ``id``, ``type`` and the function's name and arguments.
 With ``stream_options.include_usage`` every chunk has ``"usage": null`` and a last chunk
 with no choices carries the usage. Streamed logprobs come with each token, with its
-``top_logprobs`` when asked.
+``top_logprobs`` when asked. With ``return_token_ids`` (vLLM's rule) the first chunk carries
+``prompt_token_ids`` and each chunk the ``token_ids`` it adds (ids of held-back text travel
+with the next chunk), so the chunks' ids joined are the sample's ids. The last chunk of each
+choice carries ``system_fingerprint``: which weights answered.
+
+A client that disconnects ends the stream and sets the request's ``cancelled`` event, so the
+engine stops generating for it (``CancellingStream``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 import time
 from collections.abc import AsyncIterator
+
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
 
 from grooves.serve.engine import Finished, TokenEvent
 from grooves.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -24,6 +35,23 @@ from grooves.serve.responses import (
 from grooves.serve.server import Server, as_api_error, next_event
 
 DONE = "data: [DONE]\n\n"
+log = logging.getLogger("grooves.serve")
+
+
+class CancellingStream(StreamingResponse):
+    """A streamed reply whose end, however it comes (done, or the client gone), sets ``cancelled``."""
+
+    def __init__(self, content, cancelled: threading.Event, **kwargs):
+        super().__init__(content, **kwargs)
+        self.cancelled = cancelled
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError):
+            log.info("the client of a stream went away")
+        finally:
+            self.cancelled.set()
 
 
 def sse(payload: dict) -> str:
@@ -55,17 +83,23 @@ class TextStream:
 
 
 async def chat_stream(server: Server, body: ChatCompletionRequest, prompt_ids: list[int], events: asyncio.Queue,
-                      record: dict) -> AsyncIterator[str]:
+                      record: dict, served: str) -> AsyncIterator[str]:
     chunk_id, created = completion_id(), int(time.time())
     texts = [TextStream(server.policy, body.stop_list) for _ in range(body.n)]
     tokenizer = server.policy.tokenizer
+    unsent: list[list[int]] = [[] for _ in range(body.n)]  # token ids not yet on a chunk, per choice
 
     def chunk(index: int, delta: dict, **kwargs) -> dict:
         out = chunk_body(body, chunk_id, created, index, delta, **kwargs)
+        if body.return_token_ids:
+            out["choices"][0]["token_ids"], unsent[index] = unsent[index], []
         return {**out, "usage": None} if body.include_usage else out
 
     for index in range(body.n):
-        yield sse(chunk(index, {"role": "assistant", "content": ""}))
+        first = chunk(index, {"role": "assistant", "content": ""})
+        if body.return_token_ids and index == 0:
+            first["prompt_token_ids"] = prompt_ids
+        yield sse(first)
     while True:
         try:
             event = await next_event(server, events)
@@ -73,6 +107,7 @@ async def chat_stream(server: Server, body: ChatCompletionRequest, prompt_ids: l
             yield sse(error.body()) + DONE
             return
         if isinstance(event, TokenEvent):
+            unsent[event.index].append(event.token)
             if body.wants_tools:
                 continue  # sent whole at the end
             delta = texts[event.index].push(event.token)
@@ -84,7 +119,7 @@ async def chat_stream(server: Server, body: ChatCompletionRequest, prompt_ids: l
         elif isinstance(event, Finished):
             for index, output in enumerate(event.outputs):
                 for closing in _last_chunks(server, body, lambda delta, i=index: chunk(i, delta), texts[index],
-                                            output, prompt_ids, event.adapter_step):
+                                            output, prompt_ids, event.adapter_step, served):
                     yield sse(closing)
             completion_tokens = sum(len(o.token_ids) for o in event.outputs)
             record["completion_tokens"] = completion_tokens
@@ -99,7 +134,7 @@ async def chat_stream(server: Server, body: ChatCompletionRequest, prompt_ids: l
 
 
 def _last_chunks(server: Server, body: ChatCompletionRequest, chunk, text: TextStream, output,
-                 prompt_ids: list[int], adapter_step: int | None) -> list[dict]:
+                 prompt_ids: list[int], adapter_step: int | None, served: str) -> list[dict]:
     """A choice's closing chunks: the rest of its text (or its tool calls), then one with the finish
     reason alone, as OpenAI sends it (the SDK's helper closes a tool call only on a later chunk)."""
     message, finish = choice_message(body, output.text, output.finish_reason)
@@ -107,12 +142,17 @@ def _last_chunks(server: Server, body: ChatCompletionRequest, chunk, text: TextS
     if body.wants_tools and body.logprobs:
         rest["choices"][0]["logprobs"] = logprobs_block(server.policy, output)
     last = chunk({})
+    last["system_fingerprint"] = served
     choice = last["choices"][0]
     choice["finish_reason"] = finish
     if body.return_token_ids:
         choice["grooves"] = {"completion_token_ids": output.token_ids, "completion_logprobs": output.logprobs}
         last["grooves"] = {"prompt_token_ids": prompt_ids, "adapter_step": adapter_step}
-    return ([rest] if rest["choices"][0]["delta"] else []) + [last]
+    if rest["choices"][0]["delta"]:
+        return [rest, last]
+    if "token_ids" in rest["choices"][0]:  # the ids of text held back until now go on the last chunk
+        choice["token_ids"] = rest["choices"][0]["token_ids"]
+    return [last]
 
 
 def _output_delta(body: ChatCompletionRequest, message: dict, text: TextStream, output) -> dict:
@@ -126,7 +166,7 @@ def _output_delta(body: ChatCompletionRequest, message: dict, text: TextStream, 
 
 
 async def legacy_stream(server: Server, body: CompletionRequest, prompt_tokens: int, events: asyncio.Queue,
-                        requests: int, record: dict) -> AsyncIterator[str]:
+                        requests: int, record: dict, served: str) -> AsyncIterator[str]:
     """Text deltas of ``requests`` prompts' samples; events arrive as ``(prompt index, event)``."""
     chunk_id, created = completion_id("cmpl"), int(time.time())
     texts = {}
@@ -152,7 +192,7 @@ async def legacy_stream(server: Server, body: CompletionRequest, prompt_tokens: 
             for i, output in enumerate(event.outputs):
                 index = prompt * body.n + i
                 rest = texts.setdefault(index, TextStream(server.policy, body.stop_list)).finish(output.text)
-                yield sse(chunk(index, rest, output.finish_reason))
+                yield sse({**chunk(index, rest, output.finish_reason), "system_fingerprint": served})
                 completion_tokens += len(output.token_ids)
             left -= 1
         else:
