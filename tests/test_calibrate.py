@@ -149,15 +149,51 @@ def test_calibrate_on_a_file_records_verdicts_and_agreement_per_rubric_version(f
 
 
 def test_judge_failures_show_as_failed_never_zero_and_are_not_counted(files):
+    from fault_server import FaultServer
+
     rubric, samples, verdicts = files
-    result = invoke("judge", "calibrate", "--rubric", rubric, "--samples", samples, "--endpoint-url",
-                    closed_port_url(), "--model", "tiny", "--verdicts", verdicts)
+
+    def broken_on_two(body):  # no JSON for s1 and s4, repair turn included; 6/10 for the others
+        output = body["messages"][1]["content"].split("<output>")[1].split("</output>")[0]
+        return "no JSON here" if output.strip() in (OUTPUTS[1], OUTPUTS[4]) else json.dumps({"reason": "r", "score": 6})
+
+    with FaultServer() as server:
+        server.play(broken_on_two)
+        result = invoke("judge", "calibrate", "--rubric", rubric, "--samples", samples, "--endpoint-url",
+                        server.base_url, "--model", "fault", "--verdicts", verdicts)
     assert result.exit_code == 0, result.output
-    assert "judge failed on 5" in result.output and "0.00" not in result.output
-    assert "no agree/disagree verdicts on scored samples" in result.output
-    assert "5 judge failures not counted" in " ".join(result.output.split())
+    text = " ".join(result.output.split())
+    assert "judge failed on 2" in text and "0.00" not in text and "0.60" in text
+    # s0 agree, s2 disagree, s3 agree count; s1 (agree) and s4 (skip) are verdicts on failed samples
+    assert "agreement 2/3 = 67%" in text
+    assert "2 judge failures not counted; 2 verdicts on failed samples not counted" in text
     [row] = CalibrationStore(rubric.with_suffix(".calibration.sqlite")).history()
-    assert (row["failed"], row["on_failed"], row["agreement"], row["agree"]) == (5, 5, None, 0)
+    assert (row["failed"], row["on_failed"], row["agree"], row["disagree"], row["skipped"]) == (2, 2, 2, 1, 0)
+    assert row["agreement"] == pytest.approx(2 / 3)
+
+
+def test_a_judge_that_failed_on_every_sample_is_an_error_and_nothing_is_recorded(files):
+    rubric, samples, verdicts = files
+    url = closed_port_url()
+    result = invoke("judge", "calibrate", "--rubric", rubric, "--samples", samples, "--endpoint-url", url,
+                    "--model", "tiny", "--verdicts", verdicts)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"the judge (tiny @ {url}) failed on all 5 samples; nothing recorded. First error: " in text
+    assert "judge failed on 5" in text and "0.00" not in text
+    assert CalibrationStore(rubric.with_suffix(".calibration.sqlite")).history() == []
+
+
+def test_endpoint_url_local_serves_the_model_here_as_base_url_local_does(files):
+    rubric, samples, verdicts = files
+    result = invoke("judge", "calibrate", "--rubric", rubric, "--samples", samples, "--endpoint-url", "local",
+                    "--model", "tiny", "--verdicts", verdicts)
+    assert result.exit_code == 0, result.output
+    [row] = CalibrationStore(rubric.with_suffix(".calibration.sqlite")).history()
+    assert row["judge"].startswith("tiny @ http://127.0.0.1:") and (row["scored"], row["failed"]) == (5, 0)
+    bad = invoke("judge", "calibrate", "--rubric", rubric, "--samples", samples, "--endpoint-url", "local",
+                 "--model", rubric.parent / "no-model")
+    assert bad.exit_code == 2 and "--endpoint-url local: cannot serve --model" in " ".join(bad.output.split())
 
 
 def test_interactive_verdicts_on_the_shown_outputs(files, base_url):

@@ -99,6 +99,17 @@ def test_text_to_a_file_is_never_wrapped_and_a_table_is_never_cut():
     assert len(lines) == 6 and len(lines[2]) == 1 + 12 + 6 * (1 + 20) + 1
 
 
+def test_a_wide_table_leaves_the_width_following_columns(monkeypatch):
+    from grooves.cli.common import Stdout
+
+    console = Stdout(file=io.StringIO())
+    monkeypatch.setenv("COLUMNS", "90")
+    table = Table(*(f"reward/component_{i}" for i in range(6)))
+    console.print(table)
+    monkeypatch.setenv("COLUMNS", "100")
+    assert console.width == 100
+
+
 def test_the_probe_prints_its_next_commands_on_one_line(tmp_path):
     from test_alert_policy import planted_config
 

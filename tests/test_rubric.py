@@ -165,6 +165,17 @@ def test_example_answers_keep_the_users_words():
     assert parse_example("Mayor opens bridge").kind == "good" and parse_example("") is None
 
 
+def test_a_why_note_after_a_space_is_the_note_as_the_docs_summary_shows():
+    """docs/rubrics.md: ``[good:|bad:] OUTPUT [why: NOTE]``; on one line the note is split off, never
+    folded into the output; without its colon a "why" or "because" is part of the output."""
+    example = parse_example("bad: You won't believe this! why: clickbait, hides the news")
+    assert (example.kind, example.output) == ("bad", "You won't believe this!")
+    assert example.note == "clickbait, hides the news"
+    assert parse_example("Mayor opens bridge Because: names who and what").note == "names who and what"
+    for output in ("Mayor explains why the bridge closed", "Mayor resigns because of the audit"):
+        assert (parse_example(output).output, parse_example(output).note) == (output, "")
+
+
 def test_answers_files_json_toml_and_text_read_the_same(tmp_path):
     text = read_answers(write(tmp_path / "a.txt", ANSWERS))
     assert len(text) == len(SKELETON) and text[3].splitlines()[1] == "no clickbait: 2"
@@ -192,6 +203,20 @@ def test_scripted_interview_against_the_tiny_server_keeps_the_users_criteria(tmp
     assert [(e.kind, e.note) for e in rubric.examples] == [("bad", "clickbait, hides the news")]
     assert "(5/5)" in result.output and rubric.version in result.output
     assert "no usable endpoint" not in result.output
+
+
+def test_interview_with_endpoint_url_local_serves_the_model_here(tmp_path):
+    out = tmp_path / "rubric.toml"
+    answers = ANSWERS.replace("bad: You won't believe what the mayor did!\nwhy:", "bad: You won't believe it! why:")
+    result = invoke("rubric", "interview", "--task", "Write a headline for a news story", "--out", out,
+                    "--answers", write(tmp_path / "answers.txt", answers), "--endpoint-url", "local",
+                    "--model", "tiny")
+    assert result.exit_code == 0, result.output
+    # the tiny model answered (it is reached), though not usefully: a random-weight model
+    assert "no usable endpoint" not in result.output and "of the model's replies were unusable" in result.stderr
+    rubric = Rubric.load(out)
+    assert [(e.kind, e.output, e.note) for e in rubric.examples] == [
+        ("bad", "You won't believe it!", "clickbait, hides the news")]
 
 
 def test_interview_with_no_reachable_endpoint_asks_the_plain_questions(tmp_path):

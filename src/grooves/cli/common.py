@@ -26,11 +26,11 @@ class Stdout(Console):
         wide = max((self._unbroken(table) for table in tables), default=0)
         if wide <= self.width:
             return super().print(*objects, soft_wrap=soft_wrap, **kwargs)
-        width, self.width = self.width, wide
+        pinned, self.width = self._width, wide  # _width None: the width follows $COLUMNS or the terminal
         try:
             super().print(*objects, soft_wrap=soft_wrap, **kwargs)
         finally:
-            self.width = width
+            self._width = pinned
 
     def _unbroken(self, table: Table) -> int:
         """The narrowest width at which every cell's longest word fits (Rich wraps text at words)."""

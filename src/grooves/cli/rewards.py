@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from grooves.cli.common import RunsOption, _fail, err, out
+from grooves.cli.common import RunsOption, _fail, _user_errors, err, out
 
 if TYPE_CHECKING:
     from grooves.rewards.calibrate import Sample, Scored, Verdict
@@ -28,7 +28,8 @@ judge_app = typer.Typer(help="LLM judges: calibrate a judge against your own ver
 
 UrlOption = Annotated[str | None, typer.Option(
     "--endpoint-url", envvar="GROOVES_JUDGE_URL",
-    help="OpenAI-compatible endpoint of the model, e.g. http://127.0.0.1:8000/v1 ($GROOVES_JUDGE_URL).")]
+    help="OpenAI-compatible endpoint of the model, e.g. http://127.0.0.1:8000/v1 ($GROOVES_JUDGE_URL); "
+    "'local': a grooves server over --model started here, as base_url = \"local\" in a config.")]
 ModelOption = Annotated[str | None, typer.Option(
     "--model", envvar="GROOVES_JUDGE_MODEL", help="Model name sent to the endpoint ($GROOVES_JUDGE_MODEL).")]
 KeyOption = Annotated[str, typer.Option(
@@ -42,7 +43,20 @@ def _endpoint(url: str | None, model: str | None, api_key_env: str, **options) -
         return None
     if not model:
         raise _fail("--model is needed with --endpoint-url (the model name sent with each request)")
+    if url == "local":
+        url = _local_url(model)
     return Endpoint(base_url=url, model=model, api_key_env=api_key_env or None, **options)
+
+
+def _local_url(model: str) -> str:
+    """``local`` means here what it means in a config: a grooves server over MODEL in this process."""
+    from grooves.serve.adapters import UnknownModel
+    from grooves.serve.local import local_url
+
+    try:
+        return local_url(model)
+    except (*_user_errors(), UnknownModel, ValueError) as error:
+        raise _fail(f"--endpoint-url local: cannot serve --model {model!r}: {error}") from None
 
 
 def _load_rubric(path: Path) -> Rubric:
@@ -201,6 +215,9 @@ def calibrate(
         scored = cal.score_samples(cal.rubric_judge(rubric, endpoint), batch)
         best, worst = cal.pick(scored, top, bottom)
         _print_scores(best, worst, [s for s in scored if s.failed])
+        if scored and all(s.failed for s in scored):  # nothing to agree with: not a calibration to keep
+            raise _fail(f"the judge ({endpoint.model} @ {endpoint.base_url}) failed on all {len(scored)} samples; "
+                        f"nothing recorded. First error: {scored[0].reason}")
         given = given if given is not None else _ask_verdicts(best + worst)
         counts = cal.agreement(scored, given)
         failed = sum(s.failed for s in scored)
@@ -235,6 +252,7 @@ def _batch(spec: str, rubric_path: Path, runs: Path | None, split: str) -> Batch
 def _run_batch(spec: str, runs: Path | None, split: str) -> Batch:
     from grooves.policy.checkpoints import runs_root
     from grooves.rewards.calibrate import samples_from_trajectories
+    from grooves.rewards.calibration_store import CalibrationStore
     from grooves.runs.store import RunStore
 
     name, _, step_text = spec.partition("@")

@@ -236,11 +236,14 @@ def merge_criteria(stated: list[Stated], drafted: list[Criterion]) -> list[Crite
 
 
 _LABEL = re.compile(r"^\s*(?P<kind>good|bad)(?:\s+example)?\s*[:\-\u2013\u2014]\s*", re.IGNORECASE)
-_WHY = re.compile(r"\s*(?:^|\n|/)\s*(?:why|note|because)\s*:?\s+", re.IGNORECASE)
+# The note starts a line or follows '/' (its colon optional), or follows a space on the same line as
+# the output: then only with its colon, so "explains why the bridge closed" stays an output.
+_WHY = re.compile(r"\s*(?:^|\n|/)\s*(?:why|note|because)\s*:?\s+|\s+(?:why|note|because)\s*:\s*", re.IGNORECASE)
 
 
 def parse_example(text: str) -> Example | None:
-    """``[good:|bad:] OUTPUT [why: NOTE]`` (why on its own line or after '/'); good when unlabelled."""
+    """``[good:|bad:] OUTPUT [why: NOTE]`` (why: on its own line, after '/' or after a space); good when
+    unlabelled."""
     if not text:
         return None
     label = _LABEL.match(text)
