@@ -164,6 +164,50 @@ def test_every_sampling_field_is_checked_at_submit(http, service, body, reason):
     assert len(service[0].futures) == before  # refused before anything was queued
 
 
+@pytest.fixture(scope="module")
+def model(service):
+    """(session id, model id) of a rank-2 model of alice's."""
+    with httpx.Client(base_url=f"http://127.0.0.1:{service[1]}", headers={"X-API-Key": ALICE}, timeout=30) as http:
+        session = http.post("/api/v1/create_session", json=SESSION_BODY).json()["session_id"]
+        created = http.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                          "base_model": "tiny", "lora_config": {"rank": 2}}).json()
+        assert "error" not in http.post("/api/v1/retrieve_future", json={"request_id": created["request_id"]}).json()
+        return session, created["model_id"]
+
+
+@pytest.mark.parametrize("adam, reason", [
+    ({"learning_rate": math.nan}, "adam_params.learning_rate must be a finite number >= 0, got nan"),
+    ({"learning_rate": -1e-3}, "adam_params.learning_rate must be a finite number >= 0, got -0.001"),
+    ({"beta1": 1.0}, "adam_params.beta1 must be a finite number in [0, 1), got 1.0"),
+    ({"beta2": -0.1}, "adam_params.beta2 must be a finite number in [0, 1), got -0.1"),
+    ({"eps": 0.0}, "adam_params.eps must be a finite number > 0, got 0.0"),
+    ({"weight_decay": math.inf}, "adam_params.weight_decay must be a finite number >= 0, got inf"),
+    ({"grad_clip_norm": -1.0}, "adam_params.grad_clip_norm must be a finite number >= 0 (0: no clipping), got -1.0"),
+])
+def test_adam_settings_are_checked_at_submit(http, service, model, adam, reason):
+    body = {"model_id": model[1], "adam_params": {"learning_rate": 1e-3, **adam}}
+    response = http.post("/api/v1/optim_step", content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and response.json()["detail"] == reason
+    assert service[0].models[model[1]].trainer.step == 0  # no step was taken
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({"model_seq_id": 10**9}, "model_seq_id must be 0..999999999, got 1000000000"),
+    ({"lora_config": {"rank": 2, "seed": 2**64}}, "lora_config.seed must be 0..2**64-1, got 18446744073709551616"),
+])
+def test_create_model_fields_are_checked_at_submit(http, model, fields, reason):
+    body = {"session_id": model[0], "model_seq_id": 1, "base_model": "tiny", **fields}
+    response = http.post("/api/v1/create_model", json=body)
+    assert response.status_code == 400 and response.json()["detail"] == reason
+
+
+def test_prompt_logprobs_last_n_is_refused_not_ignored(http):
+    body = dict(sample_body(), prompt_logprobs=True, prompt_logprobs_last_n=1)
+    response = http.post("/api/v1/asample", json=body)
+    assert response.status_code == 400
+    assert response.json()["detail"] == "not supported by this service: prompt_logprobs_last_n"
+
+
 def test_the_largest_seed_samples(http):
     response = http.post("/api/v1/asample", json=sample_body(seed=2**64 - 1, max_tokens=2))
     assert response.status_code == 200

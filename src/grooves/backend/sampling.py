@@ -44,6 +44,7 @@ def sample_job(req, vocab_size: int, max_context: int) -> SampleJob:
                                          ("topk_sample_logprobs", req.topk_sample_logprobs > 0),
                                          ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
                                          ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0),
+                                         ("prompt_logprobs_last_n", req.prompt_logprobs_last_n is not None),
                                          ("sampling_params.top_k", req.sampling_params.top_k not in (-1, 0))) if on]
     if unsupported:
         raise UserError(f"not supported by this service: {', '.join(unsupported)}")

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 from tinker import types
 
 from grooves.backend.queue import UserError
-from grooves.backend.routes.common import backend_of, body, future_json, model_of, tenant_of
+from grooves.backend.routes.common import backend_of, body, future_json, model_of, new_model_id, tenant_of
 
 router = APIRouter(prefix="/api/v1")
 
@@ -52,6 +52,7 @@ async def load_weights(request: Request):
     if req.model_id is None:  # create-via-load: a new training client from a checkpoint
         if req.session_id is None or req.model_seq_id is None:
             raise UserError("load_weights needs model_id, or session_id and model_seq_id")
+        model_id = new_model_id(req.session_id, req.model_seq_id)
         backend.check_session(tenant, req.session_id)
         backend.check_base(req.base_model or backend.spec)
 
@@ -60,7 +61,6 @@ async def load_weights(request: Request):
             backend.load(model, folder, req.optimizer)
             return "json", {"path": req.path, "model_id": model.model_id, "type": "load_weights"}
 
-        model_id = f"{req.session_id}:train:{req.model_seq_id}"
         backend.creating[model_id] = tenant
         return future_json(backend.submit(tenant, create), model_id)
     model = await model_of(request, req.model_id)

@@ -13,6 +13,7 @@ from grooves.backend.service import Backend, TrainingModel
 
 LONG_POLL_S = 10.0
 PROTO = "application/x-protobuf"
+MAX_SEQ_ID = 999_999_999  # a model id is SESSION:train:N with N of at most 9 digits (storage.MODEL_ID)
 
 
 def backend_of(request: Request) -> Backend:
@@ -30,6 +31,12 @@ async def body(request: Request, model_type):
         return model_type.model_validate(data)
     except Exception as exc:  # pydantic's ValidationError: say which field
         raise UserError(f"invalid {model_type.__name__}: {exc}") from None
+
+
+def new_model_id(session_id: str, model_seq_id: int) -> str:
+    if not 0 <= model_seq_id <= MAX_SEQ_ID:
+        raise UserError(f"model_seq_id must be 0..{MAX_SEQ_ID}, got {model_seq_id}")
+    return f"{session_id}:train:{model_seq_id}"
 
 
 def future_json(future: Future, model_id: str | None = None, samples: int = 0) -> dict:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 from fastapi import APIRouter, Request
 from tinker import types
 
 from grooves.backend import wire
 from grooves.backend.queue import UserError
-from grooves.backend.routes.common import PROTO, backend_of, body, created_model, future_json, model_of, tenant_of
+from grooves.backend.routes.common import (PROTO, backend_of, body, created_model, future_json, model_of,
+                                           new_model_id, tenant_of)
+from grooves.backend.sampling import MAX_SEED
 from grooves.backend.storage import ATTN, MLP, UNEMBED
 from grooves.policy.lora import LoRA
 
@@ -24,7 +28,9 @@ async def create_model(request: Request):
         raise UserError(f"optimizer {req.optimizer_config.type!r} is not supported; only adamw")
     lora = lora_of(req.lora_config)
     seed = req.lora_config.seed if req.lora_config else None
-    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise UserError(f"lora_config.seed must be 0..2**64-1, got {seed}")
+    model_id = new_model_id(req.session_id, req.model_seq_id)
     backend.creating[model_id] = tenant
     future = backend.submit(tenant, lambda: ("json", {
         "model_id": backend.create_model(tenant, req.session_id, req.model_seq_id, lora, seed),
@@ -67,6 +73,7 @@ async def optim_step(request: Request):
     model = await model_of(request, req.model_id)
     if not isinstance(req.optim_params, types.AdamParams):
         raise UserError("only Adam parameters (adam_params) are supported")
+    check_adam(req.optim_params)
     future = backend.submit_for(model, req.seq_id, lambda: ("json", {"metrics": backend.optim_step(
         model, req.optim_params)}))
     return future_json(future, req.model_id)
@@ -83,3 +90,15 @@ def lora_of(config) -> LoRA:
     if not 1 <= config.rank <= 256:
         raise UserError(f"LoRA rank must be 1..256, got {config.rank}")
     return LoRA(rank=config.rank, target_modules=targets)
+
+
+def check_adam(params) -> None:
+    """Adam's settings in range, so a bad one is a 400 and never NaN weights."""
+    checks = (("learning_rate", params.learning_rate >= 0, ">= 0"), ("beta1", 0 <= params.beta1 < 1, "in [0, 1)"),
+              ("beta2", 0 <= params.beta2 < 1, "in [0, 1)"), ("eps", params.eps > 0, "> 0"),
+              ("weight_decay", params.weight_decay >= 0, ">= 0"),
+              ("grad_clip_norm", params.grad_clip_norm >= 0, ">= 0 (0: no clipping)"))
+    for name, ok, allowed in checks:
+        value = getattr(params, name)
+        if not (math.isfinite(value) and ok):
+            raise UserError(f"adam_params.{name} must be a finite number {allowed}, got {value}")
