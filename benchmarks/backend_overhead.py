@@ -113,7 +113,8 @@ def quality(args) -> dict[str, float]:
             remote = RemotePolicy(service.base_url, config.model.spec, config.lora.rank, config.seed,
                                   api_key=service.keys["local"])
             try:
-                run = run_config(config, runs=f"{root}/remote", progress=False, policy=remote)
+                run = run_config(config, runs=f"{root}/remote", progress=False, policy=remote,
+                                 trainer=RemoteTrainer)
             finally:
                 remote.close()
         out["remote_before"], out["remote_after"] = heldout(run)

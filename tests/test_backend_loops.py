@@ -70,9 +70,17 @@ def test_sft_loop_example_lowers_the_heldout_loss(bundled_client):
     assert results[3] < 0.95 * results[0], results
 
 
-def test_remote_step_makes_the_local_trainers_adapter(tiny_service):
+@pytest.mark.parametrize("plan", [
+    {},  # one pass, one mini-batch: the old policy is the sampler (ratio 1)
+    {"minibatches": 2},  # two AdamW steps, the old log-probs from the service's forward
+    {"num_iterations": 2},
+    {"stale": True},  # trajectories from an older adapter: the truncated IS correction is on
+    {"zero": True},  # no reward variance: both skip, the adapter does not move
+])
+def test_remote_step_makes_the_local_trainers_adapter(tiny_service, plan):
     """Same groups, same starting adapter: RemoteTrainer through the service and the local Trainer
-    end at the same LoRA weights (the aggregation folded into the advantages is exact)."""
+    end at the same LoRA weights, one step plan for both (the weights folded into the advantages are
+    exact), with mini-batches, several passes, the off-policy correction and the skip rule."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -92,7 +100,10 @@ def test_remote_step_makes_the_local_trainers_adapter(tiny_service):
                                 Sampling(temperature=1.0, max_new_tokens=6), torch.Generator().manual_seed(0), 0)
         for group in groups:
             for i, trajectory in enumerate(group.trajectories):
-                trajectory.reward = float(i % 3)
+                trajectory.reward = 1.0 if plan.get("zero") else float(i % 3)
+                if plan.get("stale"):
+                    trajectory.policy_version = -1  # sampled before this trainer's step 0
+                    trajectory.logprobs = [lp - 0.05 * (k % 2) for k, lp in enumerate(trajectory.logprobs)]
         assert all(len(t.logprobs) == len(t.completion_ids) > 0 for g in groups for t in g.trajectories)
 
         def adapter(name: str) -> dict[str, torch.Tensor]:
@@ -104,15 +115,25 @@ def test_remote_step_makes_the_local_trainers_adapter(tiny_service):
 
         local = Policy.load("tiny", lora=LoRA(rank=4, target_modules=ATTN + MLP), seed=0)  # the base: seed 0
         set_peft_model_state_dict(local.model, adapter("start"))
-        algorithm, optim = preset("grpo"), OptimConfig(learning_rate=1e-2)
-        kwargs = dict(temperature=1.0, max_completion_length=6, total_steps=1)
-        local_metrics = Trainer(local, algorithm, optim, **kwargs).train_step(groups)
+        algorithm = preset("grpo", num_iterations=plan.get("num_iterations", 1))
+        optim = OptimConfig(learning_rate=1e-2)
+        kwargs = dict(temperature=1.0, max_completion_length=6, total_steps=1, minibatches=plan.get("minibatches", 1))
+        local_metrics = Trainer(local, algorithm, optim, kl_every=0, **kwargs).train_step(groups)
         remote_metrics = RemoteTrainer(remote, algorithm, optim, **kwargs).train_step(groups)
-        assert "train/skipped" not in remote_metrics
-        assert remote_metrics["train/grad_norm"] == pytest.approx(local_metrics["train/grad_norm"], rel=1e-3)
         after, mine = adapter("after"), get_peft_model_state_dict(local.model)
         assert set(after) == set(mine)
         moved = max(after[k].abs().max().item() for k in after if "lora_B" in k)  # B starts at 0
+        if plan.get("zero"):
+            assert remote_metrics["train/skipped"] == local_metrics["train/skipped"] == 1.0
+            assert moved == 0.0
+            return
+        assert "train/skipped" not in remote_metrics and "train/skipped" not in local_metrics
+        assert remote_metrics["train/grad_norm"] == pytest.approx(local_metrics["train/grad_norm"], rel=1e-3)
+        assert remote_metrics["train/is_correction"] == local_metrics["train/is_correction"] \
+            == float(bool(plan.get("stale")))
+        if plan.get("stale"):
+            assert remote_metrics["train/sampler_kl"] == pytest.approx(local_metrics["train/sampler_kl"], rel=1e-3)
+            assert remote_metrics["train/is_ratio/max"] == pytest.approx(local_metrics["train/is_ratio/max"], rel=1e-4)
         assert moved > 1e-3  # the step changed the adapter
         assert max((after[k] - mine[k]).abs().max().item() for k in after) < 1e-5
     finally:

@@ -20,7 +20,8 @@ from grooves.algorithms.losses import TINKER_LOSSES  # noqa: E402
 from grooves.backend.local import LocalService  # noqa: E402
 from grooves.backend.service import ATTN, MLP  # noqa: E402
 from grooves.policy import LoRA, Policy  # noqa: E402
-from grooves.training.trainer import AdamParams, Trainer  # noqa: E402
+from grooves.training.datums import AdamParams  # noqa: E402
+from grooves.training.trainer import Trainer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from grooves import algorithms
 from grooves.policy import LoRA, Policy, Sampling
 from grooves.serve.app import ServerThread, build_server, create_app
 from grooves.serve.capture import CaptureError, RecordedCall, Recorder, merge_turns
-from grooves.training.trainer import Trainer, drop_stale
+from grooves.training.step import drop_stale
+from grooves.training.trainer import Trainer
 from grooves.types import Trajectory
 
 

@@ -16,7 +16,8 @@ from grooves.algorithms.offpolicy import importance_weights, sampler_kl
 from grooves.policy import LoRA, Policy
 from grooves.policy.logprobs import build_token_batch
 from grooves.training.config import ConfigError, OptimConfig, parse_config
-from grooves.training.trainer import Datum, LossConfig, Trainer
+from grooves.training.datums import Datum, LossConfig
+from grooves.training.trainer import Trainer
 from grooves.types import Group, Trajectory
 
 LN2, LN4 = math.log(2.0), math.log(4.0)

@@ -141,7 +141,7 @@ def test_a_verifier_asking_for_a_missing_column_fails_before_training(tmp_path):
 
 def test_overflowing_reward_statistics_are_detected_not_silently_skipped():
     from grooves.algorithms import grpo
-    from grooves.training.trainer import prepare_batch
+    from grooves.training.step import prepare_batch
     from grooves.types import Group, Trajectory
 
     def group(*rewards):

@@ -8,7 +8,8 @@ import torch
 from grooves import algorithms
 from grooves.policy import Sampling
 from grooves.training.config import OptimConfig
-from grooves.training.trainer import Trainer, lr_factor, prepare_batch
+from grooves.training.step import lr_factor, prepare_batch
+from grooves.training.trainer import Trainer
 from grooves.types import Group, Trajectory
 
 

@@ -161,7 +161,7 @@ def fresh_policy_state() -> dict[str, torch.Tensor]:
 # --- the primitives ----------------------------------------------------------------
 
 from grooves.algorithms.losses import cross_entropy, importance_sampling  # noqa: E402
-from grooves.training.trainer import AdamParams, Datum, LossConfig  # noqa: E402
+from grooves.training.datums import AdamParams, Datum, LossConfig  # noqa: E402
 
 
 def tinker_datum(seed: int, prompt: int = 4, completion: int = 5) -> Datum:

@@ -4,38 +4,45 @@
 samples, scores, monitors and logs as before, but sampling and training run on the service
 through the official ``tinker`` SDK. Envs, rewards, judges and monitors stay on this machine.
 
-The step is the local ``Trainer.train_step``'s, over the wire:
+The step is the local one (``grooves.training.step.RLStep``: advantages, skip rule, datums,
+mini-batches, off-policy correction, rollback); only the primitives go over the wire:
 
-- advantages from the same ``prepare_batch`` (the algorithm's estimator, overlong shaping);
-- one datum per trajectory; the old log-probs are the sampler's (the samples come from the
-  adapter being trained, so this is the on-policy ratio of 1 the local trainer uses);
-- Tinker's losses are plain sums with no per-token weights, so the algorithm's aggregation
-  (token mean, sequence mean of token means) is folded into the advantages: the clipped
-  ``ppo``/``cispo`` per-token terms are linear in the advantage, so ``w_t * loss_t(A)`` equals
-  ``loss_t(w_t * A)``;
-- ``num_iterations`` passes of ``forward_backward`` + ``optim_step``, then
-  ``save_weights_and_get_sampling_client`` so the next rollouts sample the new adapter.
+- ``forward_backward``: Tinker's losses are plain sums with no per-token weights, so each token's
+  weight (the aggregation, times the importance weight when the correction is on) is folded into
+  its advantage: the clipped ``ppo``/``cispo`` per-token terms are linear in a non-negative
+  multiple of the advantage, so ``w_t * loss_t(A)`` equals ``loss_t(w_t * A)``. Where the old
+  policy is the current one (one pass, no correction) its log-probs are the sampler's, Tinker's
+  own convention (the samples come from the adapter being trained); where the step needs the
+  trainer's own log-probs (several passes, the correction) they come from the service's
+  ``forward``;
+- ``optim_step``: the local trainer's AdamW settings, eps included;
+- the rollback of a step with several AdamW steps: ``save_state`` before, ``load_state_with_optimizer``
+  after a non-finite one;
+- after an update, ``save_weights_and_get_sampling_client`` so the next rollouts sample it.
 
-Not supported (a clear error before the run starts): the ``gspo`` loss (sequence-level ratio),
-a KL penalty (``beta > 0``: no reference log-probs over the wire), agent envs (multi-turn
-decoding is local only), and resuming a run (its checkpoints name the service's saved states,
-but ``--resume`` reloads local adapter files).
+Not supported (a clear error before the run starts): the ``gspo`` loss (sequence-level ratio), the
+dual clip, a KL penalty (``beta > 0``: no reference log-probs over the wire; the logged ``kl`` is
+off for the same reason), agent envs (multi-turn decoding is local only), and resuming a run (its
+checkpoints name the service's saved states, but ``--resume`` reloads local adapter files).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
 
 import torch
 
-from grooves.algorithms import AGGREGATIONS
+from grooves.algorithms import k3_kl
+from grooves.policy.logprobs import TokenBatch
 from grooves.policy.policy import Policy
 from grooves.policy.sampler import Completion, Sampling
-from grooves.training.trainer import AdamParams, drop_stale, lr_factor, prepare_batch
-from grooves.types import Group
+from grooves.training.datums import AdamParams, Datum, DatumBatch, ForwardBackwardOutput, LossConfig
+from grooves.training.step import RLStep, add_metric, correct
+from grooves.types import Trajectory
 
 # grooves' loss names -> the Tinker loss that computes the same per-token terms
 REMOTE_LOSSES = {"ppo_clip": "ppo", "cispo": "cispo"}
@@ -52,6 +59,9 @@ def check_remote(config) -> None:
     if alg.loss not in REMOTE_LOSSES:
         raise RemoteError(f"algorithm.loss: {alg.loss!r} cannot run through [backend] (Tinker's losses are "
                           f"per token); use one of {', '.join(REMOTE_LOSSES)}")
+    if alg.dual_clip is not None:
+        raise RemoteError("algorithm.dual_clip: Tinker's ppo loss has no dual clip; leave dual_clip unset "
+                          "with [backend]")
     if alg.beta > 0:
         raise RemoteError("algorithm.beta: a KL penalty needs the base model's log-probs, which a Tinker "
                           "service does not return; set beta = 0 with [backend]")
@@ -73,12 +83,15 @@ class RemotePolicy(Policy):
         super().__init__(None, self.training.get_tokenizer(), base_model)
         self.url = url
         self.sampling_client = self.training.save_weights_and_get_sampling_client().result()
-        self.trainer_class = RemoteTrainer  # TrainingRun builds this instead of the local Trainer
         self._saves = 0
 
     @property
     def has_adapter(self) -> bool:
         return True
+
+    def trainable_parameters(self):
+        raise RemoteError("a RemotePolicy's adapter lives on the service: train it with RemoteTrainer "
+                          "(run_config(..., trainer=RemoteTrainer)), not the local Trainer")
 
     def sampler(self) -> RemoteSampler:
         return RemoteSampler(self)
@@ -123,81 +136,102 @@ class RemoteSampler:
         return results
 
 
-class RemoteTrainer:
-    """``Trainer.train_step`` through the service (see the module docstring); same constructor."""
+class RemoteTrainer(RLStep):
+    """``RLStep`` over the service's primitives (see the module docstring); the local ``Trainer``'s
+    constructor."""
 
-    def __init__(self, policy: RemotePolicy, algorithm, optim, *, temperature: float = 1.0,
-                 max_completion_length: int = 64, total_steps: int = 1, use_sampler_logprobs: bool = False,
-                 share_prompt: bool = True, kl_every: int = 10, max_staleness: int | None = None):
+    def __init__(self, policy: RemotePolicy, algorithm, optim=None, **settings):
+        if settings.get("world") is not None:
+            raise RemoteError("a remote trainer runs in one process; torch.distributed is for local trainers")
+        super().__init__(algorithm, optim, **{**settings, "kl_every": 0})  # no reference log-probs remotely
         self.policy = policy
-        self.algorithm = algorithm
-        self.optim = optim
-        self.max_completion_length = max_completion_length
-        self.total_steps = total_steps
-        self.max_staleness = max_staleness
-        self.step = 0
+        self._states = 0
 
-    def train_step(self, groups: list[Group]) -> dict[str, float]:
+    def forward_backward(self, datums: list[Datum], loss_fn: str, config: LossConfig | None = None,
+                         *, loss_positions_only: bool = False) -> ForwardBackwardOutput:
+        """One Tinker ``forward_backward`` with each token's weight folded into its advantage."""
         from tinker import types
 
-        start = time.perf_counter()
-        alg, optim = self.algorithm, self.optim
-        lr = optim.learning_rate * lr_factor(self.step, optim.warmup_steps, self.total_steps, optim.lr_schedule)
-        groups, stale = drop_stale(groups, self.step, self.max_staleness)
-        prepared = prepare_batch(groups, alg, self.max_completion_length)
-        metrics = {**prepared.metrics, "train/trajectories_stale": float(stale), "train/lr": lr}
-        if not prepared.trajectories or not bool((prepared.advantages != 0).any()) \
-                or prepared.metrics.get("alerts/nonfinite_stats"):
-            metrics["train/skipped"] = 1.0
-            self.step += 1
-            return metrics
-        datums = self._datums(prepared.trajectories, prepared.advantages)
-        # the local trainer's AdamW settings, eps included (the SDK's default eps is 1e-12)
-        adam = types.AdamParams(learning_rate=lr, beta1=optim.betas[0], beta2=optim.betas[1], eps=AdamParams.eps,
-                                weight_decay=optim.weight_decay, grad_clip_norm=optim.max_grad_norm)
-        config = {"clip_low_threshold": 1.0 - alg.eps_low, "clip_high_threshold": 1.0 + alg.eps_high}
-        training = self.policy.training
-        for _ in range(alg.num_iterations):
-            backward = training.forward_backward(datums, REMOTE_LOSSES[alg.loss], loss_fn_config=config)
-            optim_result = training.optim_step(adam)
-            out = backward.result()
-            metrics["loss/policy"] = out.metrics.get("loss:sum", float("nan"))
-            if "clipfrac:mean" in out.metrics:
-                metrics["clipfrac"] = out.metrics["clipfrac:mean"]
-            stepped = optim_result.result().metrics or {}
-            if "grad_norm:mean" in stepped:
-                metrics["train/grad_norm"] = stepped["grad_norm:mean"]
-            if stepped.get("skipped_nonfinite:sum"):
-                metrics.update({"alerts/nan_loss": 1.0, "train/skipped": 1.0})
-                break
-        self.policy.sampling_client = training.save_weights_and_get_sampling_client().result()
-        tokens = sum(len(t.completion_ids) for t in prepared.trajectories)
-        elapsed = time.perf_counter() - start
-        metrics.update({"train/step_time": elapsed, "train/update_tokens_per_s": tokens / elapsed})
-        self.step += 1
-        return metrics
+        config = config or LossConfig()
+        if loss_fn not in REMOTE_LOSSES:
+            raise RemoteError(f"loss {loss_fn!r} cannot run through a Tinker service; use one of "
+                              f"{', '.join(REMOTE_LOSSES)}")
+        batch = DatumBatch.build(datums)
+        mask = (batch.weights != 0).float()  # (B, T) tokens in the loss
+        out = ForwardBackwardOutput(0.0, [torch.zeros(0)] * len(datums))
+        sampler, old = batch.sampler_logprobs, batch.old_logprobs
+        if old is None and sampler is not None and config.is_level is None:
+            old, sampler = sampler, None  # the sampler is the current adapter: Tinker's own old policy
+        elif old is None:  # the old policy is the current one: its log-probs from the service
+            old = self._service_logprobs(datums, batch)
+        scale = batch.weights
+        if sampler is not None:
+            weight = correct(out, old, sampler, mask, config)
+            if weight is not None:
+                scale = scale * weight
+        advantages = batch.advantages * scale  # (B, T)
+        out.active = float(((scale != 0) & (batch.advantages != 0)).sum().item())
+        wire = [types.Datum(model_input=types.ModelInput.from_ints(d.tokens),
+                            loss_fn_inputs={"target_tokens": d.target_tokens,
+                                            "logprobs": _positions(d, old[row]),
+                                            "advantages": _positions(d, advantages[row])})
+                for row, d in enumerate(datums)]
+        eps_low = 0.2 if config.eps_low is None else config.eps_low
+        eps_high = 0.2 if config.eps_high is None else config.eps_high
+        result = self.policy.training.forward_backward(
+            wire, REMOTE_LOSSES[loss_fn],
+            loss_fn_config={"clip_low_threshold": 1.0 - eps_low, "clip_high_threshold": 1.0 + eps_high}).result()
+        out.loss = result.metrics.get("loss:sum", float("nan"))
+        out.finite = math.isfinite(out.loss)
+        logp = _padded(result.loss_fn_outputs, datums, batch)
+        add_metric(out, "approx_kl", k3_kl(old, logp), mask)
+        if "clipfrac:mean" in result.metrics:
+            out.sums["clipfrac"], out.counts["clipfrac"] = result.metrics["clipfrac:mean"] * mask.sum().item(), \
+                mask.sum().item()
+        for row, d in enumerate(datums):
+            out.logprobs[row] = logp[row, : batch.lengths[row]]
+        return out
 
-    def _datums(self, trajectories, advantages: torch.Tensor) -> list:
-        """Per-token datums; the aggregation weight times the advantage is each token's advantage."""
+    def optim_step(self, adam: AdamParams) -> float | None:
+        """The service's AdamW step; None when it skipped a non-finite gradient."""
         from tinker import types
 
-        width = max(len(t.completion_ids) for t in trajectories)
-        mask = torch.zeros(len(trajectories), width)  # (B, T) model-written completion tokens
-        for row, t in enumerate(trajectories):
-            mask[row, : len(t.completion_ids)] = torch.tensor(t.completion_mask, dtype=torch.float)
-            if self.algorithm.mask_truncated and t.truncated:
-                mask[row] = 0.0
-        weights = AGGREGATIONS[self.algorithm.aggregation](mask, self.max_completion_length)  # (B, T)
-        datums = []
-        for row, t in enumerate(trajectories):
-            sequence = t.prompt_ids + t.completion_ids
-            context, c = len(t.prompt_ids) - 1, len(t.completion_ids)
-            datums.append(types.Datum(
-                model_input=types.ModelInput.from_ints(sequence[:-1]),
-                loss_fn_inputs={"target_tokens": sequence[1:],
-                                "logprobs": [0.0] * context + list(t.logprobs),
-                                "advantages": [0.0] * context + (weights[row, :c] * advantages[row]).tolist()}))
-        return datums
+        stepped = self.policy.training.optim_step(types.AdamParams(
+            learning_rate=adam.learning_rate, beta1=adam.beta1, beta2=adam.beta2, eps=adam.eps,
+            weight_decay=adam.weight_decay, grad_clip_norm=adam.grad_clip_norm)).result().metrics or {}
+        if stepped.get("skipped_nonfinite:sum"):
+            return None
+        return stepped.get("grad_norm:mean", 0.0)
+
+    def _no_grad_logprobs(self, batch: TokenBatch, trajectories: list[Trajectory]) -> torch.Tensor:
+        """The trainer's log-probs of each completion token, from the service's ``forward``."""
+        datums = [Datum((t.prompt_ids + t.completion_ids)[:-1], (t.prompt_ids + t.completion_ids)[1:],
+                        start=len(t.prompt_ids) - 1) for t in trajectories]
+        return self._service_logprobs(datums, DatumBatch.build(datums))
+
+    def _reference_logprobs(self, batch: TokenBatch, trajectories: list[Trajectory]) -> torch.Tensor:
+        raise RemoteError("algorithm.beta: a KL penalty needs the base model's log-probs, which a Tinker "
+                          "service does not return")
+
+    def _service_logprobs(self, datums: list[Datum], batch: DatumBatch) -> torch.Tensor:
+        """``(B, T)`` log-probs over each datum's loss positions, from one forward-only request."""
+        from tinker import types
+
+        wire = [types.Datum(model_input=types.ModelInput.from_ints(d.tokens),
+                            loss_fn_inputs={"target_tokens": d.target_tokens}) for d in datums]
+        result = self.policy.training.forward(wire, "cross_entropy").result()
+        return _padded(result.loss_fn_outputs, datums, batch)
+
+    def _snapshot(self) -> str:
+        self._states += 1
+        return self.policy.training.save_state(f"grooves-step-{self.step}-{self._states}").result().path
+
+    def _restore(self, snapshot: str | None) -> None:
+        if snapshot is not None:
+            self.policy.training.load_state_with_optimizer(snapshot).result()
+
+    def _published(self) -> None:
+        self.policy.sampling_client = self.policy.training.save_weights_and_get_sampling_client().result()
 
     def state_dict(self) -> dict:
         return {"step": self.step, "remote_model_id": self.policy.training.model_id}
@@ -205,3 +239,17 @@ class RemoteTrainer:
     def load_state_dict(self, state: dict) -> None:
         raise RemoteError("resuming a run trained through [backend] is not supported yet: its adapter and "
                           "optimizer are saved states on the service (see the checkpoint's adapter/remote.json)")
+
+
+def _positions(datum: Datum, values: torch.Tensor) -> list[float]:
+    """A datum's per-position list: zeros before ``start``, then ``values`` over its loss positions."""
+    return [0.0] * datum.start + values[: len(datum.tokens) - datum.start].tolist()
+
+
+def _padded(outputs: list, datums: list[Datum], batch: DatumBatch) -> torch.Tensor:
+    """The service's per-position ``logprobs`` as ``(B, T)`` over each datum's loss positions."""
+    logp = torch.zeros_like(batch.weights)
+    for row, (output, d) in enumerate(zip(outputs, datums, strict=True)):
+        values = torch.tensor(output["logprobs"].tolist(), dtype=logp.dtype)[d.start:]
+        logp[row, : len(values)] = values
+    return logp

@@ -17,18 +17,21 @@ from grooves.training.config import ConfigError, RewardConfig, RunConfig, TasksC
 from grooves.training.ddp import init_from_env
 from grooves.training.loop import StopRule, TrainingRun
 from grooves.training.runfolder import Run
+from grooves.training.step import RLStep
 from grooves.training.tasksets import TaskSet
+from grooves.training.trainer import Trainer
 from grooves.types import Task
 
 
 def run_config(config: RunConfig, *, runs: str | Path | None = None, out: str | Path | None = None,
                resume: bool = False, progress: bool = True, acknowledge: tuple[str, ...] = (),
                stop_rule: StopRule | None = None, resume_command: str = "grooves train CONFIG --resume",
-               console: Console | None = None, policy: Policy | None = None) -> Run:
+               console: Console | None = None, policy: Policy | None = None,
+               trainer: type[RLStep] | None = None) -> Run:
     """Run (or resume) the training described by a config, as ``grooves train`` does.
 
-    ``policy``: sample and train this one instead of loading ``config.model`` (a remote policy,
-    ``grooves.backend.client.RemotePolicy``, for ``[backend]``).
+    ``policy``: sample and train this one instead of loading ``config.model``; ``trainer``: the class
+    that updates it (for ``[backend]``: ``grooves.backend.client.RemotePolicy`` and ``RemoteTrainer``).
 
     ``acknowledge``: detectors whose alerts only warn from now on (``--ack`` on resume).
     ``console``: where progress and alerts go (default: stderr); see ``grooves.progress``.
@@ -40,7 +43,8 @@ def run_config(config: RunConfig, *, runs: str | Path | None = None, out: str | 
     share_backbones(sets, policy)
     run_dir = Path(out) if out else runs_root(runs) / config.name
     return TrainingRun(config, policy, sets, run_dir, resume=resume, progress=progress, console=console,
-                       acknowledge=acknowledge, stop_rule=stop_rule, resume_command=resume_command).run()
+                       acknowledge=acknowledge, stop_rule=stop_rule, resume_command=resume_command,
+                       trainer=trainer or Trainer).run()
 
 
 def train(

@@ -1,5 +1,5 @@
-"""Per-token datums for ``Trainer.forward_backward``, in the shape of Tinker's ``Datum``, and their
-padding into tensors.
+"""The trainer primitives' data, in the shape of Tinker's: per-token datums for ``forward_backward``
+and their padding into tensors, the loss settings, the output, and ``optim_step``'s AdamW settings.
 
 A datum is one sequence with one value per position for each loss input; ``DatumBatch`` pads
 a list of them over their loss positions (``start`` on), in the ``TokenBatch`` layout that the
@@ -8,7 +8,7 @@ log-prob paths of ``grooves.policy.logprobs`` read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -125,3 +125,47 @@ def trajectory_datums(trajectories: list[Trajectory], batch: TokenBatch, weights
                             ref_logprobs=positions(ref_logp), start=start,
                             sampler_logprobs=positions(sampler_logp)))
     return datums
+
+
+@dataclass
+class LossConfig:
+    """Settings of one ``forward_backward`` call's loss."""
+
+    eps_low: float | None = None  # None = the loss's default (Tinker's 0.2 for ppo and cispo)
+    eps_high: float | None = None
+    kl_coef: float = 0.0  # adds kl_coef * k3(logp, ref_logprobs) per token
+    entropy: bool = False  # report the token-mean entropy (costs a softmax over the vocabulary)
+    is_level: str | None = None  # "token" / "sequence": weight the policy loss by exp(old - sampler)
+    is_mode: str = "truncate"  # or "mask"
+    is_cap: float = 3.0
+    dual_clip: float | None = None
+
+
+@dataclass
+class ForwardBackwardOutput:
+    loss: float  # the summed loss of every datum
+    logprobs: list[torch.Tensor]  # per datum, positions start..N-1
+    sums: dict[str, float] = field(default_factory=dict)  # diagnostics over the loss's tokens
+    counts: dict[str, float] = field(default_factory=dict)
+    finite: bool = True  # False: a non-finite loss; every accumulated gradient was dropped
+    active: float = 0.0  # tokens whose loss has a gradient: weight != 0 and (advantage != 0 or a KL term)
+    ratios: list[torch.Tensor] = field(default_factory=list)  # sampler importance ratios (diagnostic)
+
+    def metrics(self) -> dict[str, float]:
+        """Tinker-style metric names: ``name:reduction``."""
+        out = {"loss:sum": self.loss}
+        out.update({f"{name}:mean": total / max(self.counts[name], 1.0) for name, total in self.sums.items()})
+        return out
+
+
+@dataclass
+class AdamParams:
+    """One ``optim_step``'s AdamW settings (decoupled weight decay). The defaults are torch's, as
+    ``train_step`` has always used; Tinker's SDK sends its own (beta2 0.95, eps 1e-12)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping

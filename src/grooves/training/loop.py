@@ -48,6 +48,7 @@ from grooves.training.runfolder import GracefulStop, Run, begin, resume_point
 from grooves.runs.lock import RunLock
 from grooves.runs.store import RunStore
 from grooves.training.tasksets import TaskMix, TaskSet
+from grooves.training.step import RLStep
 from grooves.training.trainer import Trainer
 from grooves.types import Group, Task
 
@@ -56,7 +57,7 @@ class TrainingRun:
     def __init__(self, config: RunConfig, policy: Policy, task_sets: list[TaskSet], run_dir: Path, *,
                  resume: bool = False, progress: bool = True, console: Console | None = None,
                  acknowledge: tuple[str, ...] = (), stop_rule: StopRule | None = None,
-                 resume_command: str = "grooves train CONFIG --resume"):
+                 resume_command: str = "grooves train CONFIG --resume", trainer: type[RLStep] = Trainer):
         self.config = config
         self.resume_command = resume_command  # shown when the run pauses or is interrupted
         self.policy = policy
@@ -76,13 +77,12 @@ class TrainingRun:
         # An agent's rollout spans turns: its length budget is the env's, not one turn's.
         max_length = max([s.max_completion_length] + [t.env.max_tokens for t in task_sets if t.env is not None])
         self.world = ddp.init_from_env()  # under torchrun: rank 0 runs the loop, every rank trains
-        remote = getattr(policy, "trainer_class", None)  # a remote policy ([backend]) brings its own trainer
-        local = {} if remote else {"minibatches": config.train.minibatches, "world": self.world}
-        self.trainer = (remote or Trainer)(policy, config.algorithm, config.optim, temperature=s.temperature,
-                                           max_completion_length=max_length, total_steps=config.steps,
-                                           use_sampler_logprobs=config.train.use_sampler_logprobs,
-                                           share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
-                                           max_staleness=drop_after(config.train), **local)
+        self.trainer = trainer(policy, config.algorithm, config.optim, temperature=s.temperature,
+                               max_completion_length=max_length, total_steps=config.steps,
+                               use_sampler_logprobs=config.train.use_sampler_logprobs,
+                               share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
+                               max_staleness=drop_after(config.train), minibatches=config.train.minibatches,
+                               world=self.world)
         self.monitors = Monitors(config.monitors)
         self.acknowledged = set(acknowledge)  # detectors whose alerts only warn from now on
         self.stop_rule = stop_rule

@@ -32,7 +32,7 @@ from grooves.training.config import ModelConfig, OptimConfig, RunLogConfig, plai
 from grooves.training.runfolder import GracefulStop, Run, begin, resume_point
 from grooves.runs.lock import RunLock
 from grooves.runs.store import RunStore
-from grooves.training.trainer import lr_factor
+from grooves.training.step import lr_factor
 from grooves.types import Trajectory
 
 

@@ -1,145 +1,48 @@
-"""One policy update from groups made anywhere: ``Trainer.train_step(groups) -> metrics``.
+"""The local trainer: the primitives in this process, and ``train_step`` on top of them.
 
-It is a thin layer over the trainer's primitives, in the shape Tinker made standard:
-``forward_backward(datums, loss_fn, config)`` (per-token datums; gradients accumulate across
-calls), ``optim_step(adam)`` and ``publish(run_dir)`` (the adapter becomes ``RUN@STEP``).
-``train_step`` turns groups into datums whose ``weights`` carry the algorithm's aggregation,
-so its loss is the same weighted sum of per-token losses that ``forward_backward`` computes for
-Tinker's losses (which are plain sums).
+The primitives are in the shape Tinker made standard: ``forward_backward(datums, loss_fn,
+config)`` (per-token datums; gradients accumulate across calls), ``optim_step(adam)`` and
+``publish(run_dir)`` (the adapter becomes ``RUN@STEP``). ``train_step`` (``grooves.training.step``,
+shared with the remote trainer) turns groups into datums whose ``weights`` carry the algorithm's
+aggregation, so its loss is the same weighted sum of per-token losses that ``forward_backward``
+computes for Tinker's losses (which are plain sums).
 
-The step: drop trajectories whose reward failed (NaN) and groups left with fewer than 2,
-shape rewards (DAPO overlong punishment), compute advantages per group, then
-``num_iterations`` passes of micro-batched forward/backward with one AdamW step per pass.
-
-Deviations worth knowing:
-- With ``num_iterations == 1`` the old policy *is* the current one, so ``old_logp`` is
-  ``logp.detach()`` (ratio 1, as in TRL); with more passes it is recomputed once, without
-  gradient, before the first pass (or taken from the sampler when ``use_sampler_logprobs``).
-- Training log-probs use the sampling temperature, matching the sampler's logprobs.
-- A non-finite loss or gradient norm skips the step: the adapter and optimizer state are
-  left as they were before the step (earlier passes are undone) and ``alerts/nan_loss = 1``.
-- A batch whose advantages are all zero (and ``beta == 0``) is skipped: it has no gradient,
-  but an AdamW step would still move the adapter through its momentum.
-- Rewards so large that their group statistics overflow (1e300 squared is inf in float64,
-  and an advantage past 3.4e38 is inf in float32) skip the step with
-  ``alerts/nonfinite_stats = 1``: a std of inf would otherwise make every advantage 0 and
-  the skip look like a batch without signal.
-- ``kl`` (to the base model, the adapter disabled) is logged every ``kl_every`` steps even
-  when ``beta == 0``; that costs one forward pass without gradient.
-- Off-policy correction (``grooves.algorithms.offpolicy``): when the sampler and the trainer
-  can differ (``use_sampler_logprobs``, a trajectory whose ``policy_version`` is older than
-  ``step``, ``remote_sampler``) each token's policy loss is multiplied by the truncated (or
-  masked) weight ``exp(old - sampler)``, and the old policy is the trainer's, not the sampler's.
-  ``train/sampler_kl`` and the ratio quantiles are logged whenever the old policy is the trainer's.
-- ``minibatches = m`` splits the batch (in order) into m parts, each one AdamW step with its own
-  aggregation; the old logprobs of every part are computed before the first step.
-- A mini-batch in which no token with a non-zero advantage (or a KL penalty) keeps a non-zero
-  weight (``mask_truncated``, the IS mask) takes no AdamW step; ``train/skipped_steps`` counts them.
-- Under ``torch.distributed`` (``grooves.training.ddp``) every rank gets the same groups, trains
-  on its contiguous shard of each mini-batch with weights normalised over the whole mini-batch,
-  and the gradients are summed across ranks before the step: the 1-process update.
+Training log-probs use the sampling temperature, matching the sampler's logprobs.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from grooves.algorithms import AGGREGATIONS, ESTIMATORS, LOSSES, Algorithm, k3_kl, overlong_penalty
+from grooves.algorithms import LOSSES, Algorithm, k3_kl
 from grooves.algorithms.losses import TINKER_LOSSES
-from grooves.algorithms.offpolicy import importance_weights, sampler_kl
-from grooves.policy.logprobs import TokenBatch, build_token_batch, completion_logprobs, shared_prefix_logprobs
+from grooves.policy.logprobs import TokenBatch, completion_logprobs, shared_prefix_logprobs
 from grooves.policy.policy import Policy
+from grooves.training.checkpoint import save_checkpoint
 from grooves.training.config import OptimConfig
-from grooves.training.datums import Datum, DatumBatch, trajectory_datums
-from grooves.types import Group, Trajectory
+from grooves.training.datums import AdamParams, Datum, DatumBatch, ForwardBackwardOutput, LossConfig
+from grooves.training.step import RLStep, add_metric, correct
+from grooves.types import Trajectory
 
 
-@dataclass
-class PreparedBatch:
-    trajectories: list[Trajectory]
-    advantages: torch.Tensor  # (N,)
-    metrics: dict[str, float]
-
-
-@dataclass
-class LossConfig:
-    """Settings of one ``forward_backward`` call's loss."""
-
-    eps_low: float | None = None  # None = the loss's default (Tinker's 0.2 for ppo and cispo)
-    eps_high: float | None = None
-    kl_coef: float = 0.0  # adds kl_coef * k3(logp, ref_logprobs) per token
-    entropy: bool = False  # report the token-mean entropy (costs a softmax over the vocabulary)
-    is_level: str | None = None  # "token" / "sequence": weight the policy loss by exp(old - sampler)
-    is_mode: str = "truncate"  # or "mask"
-    is_cap: float = 3.0
-    dual_clip: float | None = None
-
-
-@dataclass
-class ForwardBackwardOutput:
-    loss: float  # the summed loss of every datum
-    logprobs: list[torch.Tensor]  # per datum, positions start..N-1
-    sums: dict[str, float] = field(default_factory=dict)  # diagnostics over the loss's tokens
-    counts: dict[str, float] = field(default_factory=dict)
-    finite: bool = True  # False: a non-finite loss; every accumulated gradient was dropped
-    active: float = 0.0  # tokens whose loss has a gradient: weight != 0 and (advantage != 0 or a KL term)
-    ratios: list[torch.Tensor] = field(default_factory=list)  # sampler importance ratios (diagnostic)
-
-    def metrics(self) -> dict[str, float]:
-        """Tinker-style metric names: ``name:reduction``."""
-        out = {"loss:sum": self.loss}
-        out.update({f"{name}:mean": total / max(self.counts[name], 1.0) for name, total in self.sums.items()})
-        return out
-
-
-@dataclass
-class AdamParams:
-    """One ``optim_step``'s AdamW settings (decoupled weight decay). The defaults are torch's, as
-    ``train_step`` has always used; Tinker's SDK sends its own (beta2 0.95, eps 1e-12)."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0 = no clipping
-
-
-class Trainer:
+class Trainer(RLStep):
     """Holds the optimizer of a policy's adapter and performs updates; the LR follows ``step``."""
 
-    def __init__(self, policy: Policy, algorithm: Algorithm, optim: OptimConfig | None = None, *,
-                 temperature: float = 1.0, max_completion_length: int = 64, total_steps: int = 1,
-                 use_sampler_logprobs: bool = False, share_prompt: bool = True, kl_every: int = 10,
-                 max_staleness: int | None = None, minibatches: int = 1, remote_sampler: bool = False,
-                 world=None):
+    def __init__(self, policy: Policy, algorithm: Algorithm, optim: OptimConfig | None = None, **settings):
+        """``settings``: those of ``RLStep`` (temperature, max_completion_length, total_steps, ...)."""
         if not policy.has_adapter:
             raise ValueError("training needs a LoRA adapter: Policy.load(spec, lora=LoRA(rank=8))")
-        optim = optim or OptimConfig()
+        super().__init__(algorithm, optim, **settings)
         self.policy = policy
-        self.algorithm = algorithm
-        self.optim = optim
-        self.temperature = temperature
-        self.max_completion_length = max_completion_length
-        self.use_sampler_logprobs = use_sampler_logprobs
-        self.share_prompt = share_prompt
-        self.kl_every = kl_every
-        self.max_staleness = max_staleness
-        self.minibatches = minibatches
-        self.remote_sampler = remote_sampler  # the sampler is a service whose numerics differ from ours
-        self.world = world  # a grooves.training.ddp.World under torch.distributed, else None
         self.params = policy.trainable_parameters()
-        self.total_steps = total_steps
-        self.optimizer = torch.optim.AdamW(self.params, lr=optim.learning_rate, betas=optim.betas,
-                                           weight_decay=optim.weight_decay)
-        self.step = 0
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.optim.learning_rate, betas=self.optim.betas,
+                                           weight_decay=self.optim.weight_decay)
 
     # --- primitives ----------------------------------------------------------------
 
@@ -166,12 +69,14 @@ class Trainer:
                     per_token = terms.per_token
                     effective = micro.weights
                     if micro.sampler_logprobs is not None:
-                        per_token, effective = _correct(out, per_token, old, micro, mask, config)
+                        weight = correct(out, old, micro.sampler_logprobs, mask, config)
+                        if weight is not None:
+                            per_token, effective = per_token * weight, micro.weights * weight
                     if micro.ref_logprobs is not None:
                         kl = k3_kl(logp, micro.ref_logprobs)
                         if config.kl_coef > 0:
                             per_token = per_token + config.kl_coef * kl
-                        _add(out, "kl", kl, mask)
+                        add_metric(out, "kl", kl, mask)
                     chunk_loss = (per_token * micro.weights).sum()
                 if not torch.isfinite(chunk_loss):
                     self.optimizer.zero_grad(set_to_none=True)
@@ -183,10 +88,10 @@ class Trainer:
                 with torch.no_grad():
                     moves = (micro.advantages != 0) | (config.kl_coef > 0 and micro.ref_logprobs is not None)
                     out.active += ((effective != 0) & moves).sum().item()
-                _add(out, "clipfrac", terms.clipped.float(), mask)
-                _add(out, "approx_kl", k3_kl(old, logp.detach()), mask)
+                add_metric(out, "clipfrac", terms.clipped.float(), mask)
+                add_metric(out, "approx_kl", k3_kl(old, logp.detach()), mask)
                 if entropy is not None:
-                    _add(out, "entropy", entropy, mask)
+                    add_metric(out, "entropy", entropy, mask)
                 for i, row in enumerate(rows.tolist()):
                     out.logprobs[row] = logp[i, : batch.lengths[row]].detach().cpu()
         finally:
@@ -215,51 +120,8 @@ class Trainer:
         self.save(run_dir)
         return f"{Path(run_dir).name}@{self.step}"
 
-    # --- the RL step on top ----------------------------------------------------------
-
-    def train_step(self, groups: list[Group]) -> dict[str, float]:
-        """Update the adapter once from scored groups; return the step's metrics."""
-        start = time.perf_counter()
-        lr = self.optim.learning_rate * lr_factor(self.step, self.optim.warmup_steps, self.total_steps,
-                                                  self.optim.lr_schedule)
-        groups, stale = drop_stale(groups, self.step, self.max_staleness)
-        prepared = prepare_batch(groups, self.algorithm, self.max_completion_length)
-        prepared.metrics["train/trajectories_stale"] = float(stale)
-        metrics = {**prepared.metrics, "train/lr": lr}
-        no_signal = self.algorithm.beta == 0 and not bool((prepared.advantages != 0).any())
-        if not prepared.trajectories or no_signal or prepared.metrics.get("alerts/nonfinite_stats"):  # nothing to learn: AdamW momentum must not move the adapter
-            metrics["train/skipped"] = 1.0
-            self.step += 1
-            return metrics
-        batch = build_token_batch(prepared.trajectories, self.policy.device)
-        if self.algorithm.mask_truncated:
-            truncated = torch.tensor([t.truncated for t in prepared.trajectories], device=batch.mask.device)
-            batch.mask = batch.mask * (~truncated)[:, None]
-        level = self.correction_level(prepared.trajectories)
-        metrics["train/is_correction"] = float(level is not None)
-        versions = [t.policy_version for t in prepared.trajectories if t.policy_version is not None]
-        if versions:
-            metrics["train/policy_lag"] = float(self.step - min(versions))
-        metrics.update(self._optimise(prepared.trajectories, batch, prepared.advantages.to(self.policy.device), lr,
-                                      level))
-        tokens = sum(len(t.completion_ids) for t in prepared.trajectories)
-        elapsed = time.perf_counter() - start
-        metrics.update({"train/step_time": elapsed, "train/update_tokens_per_s": tokens / elapsed})
-        self.step += 1
-        return metrics
-
-    def correction_level(self, trajectories: list[Trajectory]) -> str | None:
-        """``"token"``/``"sequence"`` when the off-policy correction is on for this batch, else None."""
-        choice = self.algorithm.is_correction
-        if choice != "auto":
-            return None if choice == "off" else choice
-        stale = any(t.policy_version is not None and t.policy_version < self.step for t in trajectories)
-        return "token" if self.use_sampler_logprobs or self.remote_sampler or stale else None
-
     def save(self, run_dir: str | Path) -> Path:
         """Write a checkpoint of the current step into ``run_dir`` (servable as ``RUN@STEP``)."""
-        from grooves.training.checkpoint import save_checkpoint
-
         generator = torch.Generator(device=self.policy.device)
         return save_checkpoint(Path(run_dir), self.step, self.policy, self.state_dict(), generator,
                                {"tasks": {"draws": 0, "streams": []}, "run": Path(run_dir).name})
@@ -270,82 +132,6 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
-
-    def _optimise(self, trajectories: list[Trajectory], batch: TokenBatch, advantages: torch.Tensor,
-                  lr: float, level: str | None = None) -> dict[str, float]:
-        """``num_iterations`` passes over the batch's ``minibatches``: forward_backward + optim_step each."""
-        alg = self.algorithm
-        minis = self._minibatch_datums(trajectories, batch, advantages, level)
-        adam = AdamParams(lr, *self.optim.betas, weight_decay=self.optim.weight_decay,
-                          grad_clip_norm=self.optim.max_grad_norm)
-        stats = _Stats()
-        # A later step that fails must not leave the earlier steps' updates behind.
-        snapshot = self._snapshot() if alg.num_iterations * len(minis) > 1 else None
-        self.optimizer.zero_grad(set_to_none=True)
-        for iteration in range(alg.num_iterations):
-            first = iteration == 0
-            config = LossConfig(alg.eps_low, alg.eps_high, kl_coef=alg.beta, entropy=first, is_level=level,
-                                is_mode=alg.is_mode, is_cap=alg.is_cap, dual_clip=alg.dual_clip)
-            for datums in minis:
-                # the KL is logged from the first pass; later passes need it only as a penalty
-                later = datums if alg.beta > 0 else _without_ref(datums)
-                out = self._forward_backward_shard(datums if first else later, alg.loss, config)
-                if out.finite and out.active == 0:  # no gradient: AdamW momentum must not move the adapter
-                    self.optimizer.zero_grad(set_to_none=True)
-                    stats.skipped_steps += 1
-                    stats.merge(out, log_kl=first)
-                    continue
-                grad_norm = self.optim_step(adam) if out.finite else None
-                if grad_norm is None:
-                    self._restore(snapshot)
-                    return {"alerts/nan_loss": 1.0, "train/skipped": 1.0}
-                stats.merge(out, log_kl=first)
-                stats.grad_norm = grad_norm
-                stats.steps += 1
-        return stats.metrics()
-
-    def _minibatch_datums(self, trajectories: list[Trajectory], batch: TokenBatch, advantages: torch.Tensor,
-                          level: str | None) -> list[list[Datum]]:
-        """Each mini-batch's datums (this rank's shard of it), old and reference logprobs included:
-        all computed before the first update, so every mini-batch's old policy is the same."""
-        alg = self.algorithm
-        track_kl = alg.beta > 0 or (self.kl_every > 0 and self.step % self.kl_every == 0)
-        many = alg.num_iterations > 1 or self.minibatches > 1
-        sampler_is_old = self.use_sampler_logprobs and level is None
-        minis = []
-        for part in torch.arange(len(batch)).tensor_split(min(self.minibatches, len(batch))):
-            weights = AGGREGATIONS[alg.aggregation](batch.mask[part], self.max_completion_length)  # (b, T)
-            local = part if self.world is None else self.world.shard(part)
-            if len(local) == 0:
-                minis.append([])
-                continue
-            sub = batch.select(local.to(batch.mask.device))
-            rows = local - part[0]  # the shard's rows within the mini-batch
-            if sampler_is_old:
-                old_logp = sub.sampler_logprobs
-            else:
-                old_logp = self._forward_no_grad(sub) if many else None
-            ref_logp = self._reference_logprobs(sub) if track_kl else None
-            datums = trajectory_datums([trajectories[i] for i in local.tolist()], sub,
-                                       weights[rows.to(weights.device)], advantages[local.to(advantages.device)],
-                                       old_logp, ref_logp, None if sampler_is_old else sub.sampler_logprobs)
-            if alg.beta == 0 and not track_kl:
-                # A row with advantage 0 adds exactly 0 to the gradient (no KL term): skip its forward
-                # and backward. The weights above were normalised over the whole mini-batch, so the
-                # update is the same; ``entropy`` and ``clipfrac`` are then means over the rows with a signal.
-                signal = advantages[local.to(advantages.device)].tolist()
-                datums = [d for d, a in zip(datums, signal, strict=True) if a != 0]
-            minis.append(datums)
-        return minis
-
-    def _forward_backward_shard(self, datums: list[Datum], loss_fn: str, config: LossConfig) -> ForwardBackwardOutput:
-        """``forward_backward`` on this rank's datums; under DDP the gradients and diagnostics are
-        summed over the ranks (a rank with no datums adds zeros)."""
-        out = (self.forward_backward(datums, loss_fn, config, loss_positions_only=True) if datums
-               else ForwardBackwardOutput(0.0, []))
-        if self.world is not None:
-            self.world.reduce(out, self.params)
-        return out
 
     def _snapshot(self) -> dict:
         return {"params": [p.detach().clone() for p in self.params],
@@ -359,8 +145,14 @@ class Trainer:
             param.copy_(saved)
         self.optimizer.load_state_dict(snapshot["optimizer"])
 
+    def _discard_gradient(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _no_grad_logprobs(self, batch: TokenBatch, trajectories: list[Trajectory]) -> torch.Tensor:
+        return self._forward_no_grad(batch)
+
     @torch.no_grad()
-    def _reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+    def _reference_logprobs(self, batch: TokenBatch, trajectories: list[Trajectory]) -> torch.Tensor:
         with self.policy.reference():
             return self._forward_no_grad(batch)
 
@@ -398,135 +190,3 @@ def _loss_fn(name: str, config: LossConfig):
         raise ValueError(f"unknown loss_fn {name!r}; available: {known}")
     return (loss, eps_low if config.eps_low is None else config.eps_low,
             eps_high if config.eps_high is None else config.eps_high)
-
-
-def _correct(out: ForwardBackwardOutput, per_token: torch.Tensor, old: torch.Tensor, micro: DatumBatch,
-             mask: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log the sampler/trainer gap; with ``config.is_level`` weight the policy loss by the truncated
-    (or masked) importance weight. Returns the per-token loss and the tokens' effective weights."""
-    sampler, old = micro.sampler_logprobs, old.detach()
-    _add(out, "sampler_kl", sampler_kl(old, sampler, mask), mask)
-    _add(out, "is_exact", (old == sampler).float(), mask)
-    correction = importance_weights(old, sampler, mask, config.is_level or "token", config.is_mode, config.is_cap)
-    out.ratios.append(correction.ratios.cpu())
-    if config.is_level is None:
-        return per_token, micro.weights
-    _add(out, "is_masked", correction.masked.float(), mask)
-    _add(out, "is_truncated", correction.truncated.float(), mask)
-    return per_token * correction.weights, micro.weights * correction.weights
-
-
-def _add(out: ForwardBackwardOutput, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
-    with torch.no_grad():
-        # where, not a product: a value off the mask may be inf (a garbage old logprob there)
-        out.sums[name] = out.sums.get(name, 0.0) + torch.where(mask > 0, values, 0.0).sum().item()
-        out.counts[name] = out.counts.get(name, 0.0) + mask.sum().item()
-
-
-def _without_ref(datums: list[Datum]) -> list[Datum]:
-    return [replace(d, ref_logprobs=None) for d in datums]
-
-
-def drop_stale(groups: list[Group], step: int, max_staleness: int | None) -> tuple[list[Group], int]:
-    """Leave out trajectories sampled more than ``max_staleness`` updates ago (``metadata["policy_step"]``)."""
-    if max_staleness is None:
-        return groups, 0
-    kept, dropped = [], 0
-    for group in groups:
-        fresh = [t for t in group.trajectories if step - _version(t, step) <= max_staleness]
-        dropped += len(group.trajectories) - len(fresh)
-        kept.append(Group(group.task, fresh, group.metadata))
-    return kept, dropped
-
-
-def _version(trajectory: Trajectory, default: int) -> int:
-    """The step whose adapter sampled it: ``policy_version``, else ``metadata["policy_step"]``."""
-    if trajectory.policy_version is not None:
-        return trajectory.policy_version
-    return trajectory.metadata.get("policy_step", default)
-
-
-def prepare_batch(groups: list[Group], alg: Algorithm, max_completion_length: int) -> PreparedBatch:
-    """Keep scored trajectories, shape rewards, compute advantages (flat, group-indexed)."""
-    kept: list[Trajectory] = []
-    group_index: list[int] = []
-    dropped_trajectories = skipped_groups = 0
-    for group in groups:
-        scored = [t for t in group.trajectories if not math.isnan(t.reward)]
-        dropped_trajectories += len(group.trajectories) - len(scored)
-        if len(scored) < 2:
-            skipped_groups += 1
-            continue
-        gid = len(set(group_index))
-        kept.extend(scored)
-        group_index.extend([gid] * len(scored))
-    metrics = {"train/trajectories_unscored": float(dropped_trajectories),
-               "train/groups_skipped": float(skipped_groups)}
-    if not kept:
-        return PreparedBatch([], torch.zeros(0), metrics)
-    rewards = torch.tensor([t.reward for t in kept], dtype=torch.float64)
-    if alg.overlong_buffer > 0:
-        lengths = torch.tensor([sum(t.completion_mask) for t in kept])  # model tokens (env turns excluded)
-        buffer = max(1, int(alg.overlong_buffer * max_completion_length))
-        penalty = overlong_penalty(lengths, max_completion_length, buffer, alg.overlong_penalty).double()
-        rewards = rewards + penalty
-        metrics["train/overlong_penalty"] = penalty.mean().item()
-    advantages = ESTIMATORS[alg.advantage](rewards, torch.tensor(group_index), alg.adv_eps).float()
-    if not (torch.isfinite(rewards.square().sum()) and torch.isfinite(advantages).all()):
-        metrics["alerts/nonfinite_stats"] = 1.0
-        return PreparedBatch(kept, torch.zeros_like(advantages), metrics)
-    metrics["train/advantage_abs"] = advantages.abs().mean().item()
-    return PreparedBatch(kept, advantages, metrics)
-
-
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    if schedule == "linear":
-        return max(0.0, 1.0 - progress)
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return 1.0
-
-
-class _Stats:
-    """Token-weighted means of diagnostics over all micro-batches and passes."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, float] = {}
-        self.losses: list[float] = []
-        self.grad_norm = 0.0
-        self.steps = 0  # AdamW steps taken
-        self.skipped_steps = 0  # mini-batches without a gradient (no AdamW step)
-        self.ratios: list[torch.Tensor] = []
-
-    _NAMES = {"approx_kl": "train/approx_kl", "sampler_kl": "train/sampler_kl", "is_exact": "train/is_ratio_exact_frac",
-              "is_masked": "train/is_masked_frac", "is_truncated": "train/is_truncated_frac"}
-    _FIRST_PASS = {"kl", "sampler_kl", "is_exact", "is_masked", "is_truncated"}
-
-    def merge(self, out: ForwardBackwardOutput, log_kl: bool) -> None:
-        if log_kl:
-            self.ratios.extend(out.ratios)
-        for name, total in out.sums.items():
-            if name in self._FIRST_PASS and not log_kl:
-                continue
-            key = self._NAMES.get(name, name)
-            self.sums[key] = self.sums.get(key, 0.0) + total
-            self.counts[key] = self.counts.get(key, 0.0) + out.counts[name]
-        self.losses.append(out.loss)
-
-    def metrics(self) -> dict[str, float]:
-        out = {"loss/policy": sum(self.losses) / max(1, len(self.losses)), "train/grad_norm": self.grad_norm,
-               "train/skipped_steps": float(self.skipped_steps)}
-        if self.steps == 0:
-            out["train/skipped"] = 1.0
-        for name, total in self.sums.items():
-            out[name] = total / max(self.counts[name], 1.0)
-        ratios = torch.cat(self.ratios) if self.ratios else torch.zeros(0)
-        if ratios.numel():
-            p50, p95 = torch.quantile(ratios.double(), torch.tensor([0.5, 0.95], dtype=torch.float64)).tolist()
-            out.update({"train/is_ratio/p50": p50, "train/is_ratio/p95": p95,
-                        "train/is_ratio/max": ratios.max().item(), "train/is_ratio/min": ratios.min().item()})
-        return out
