@@ -96,3 +96,14 @@ def test_env_replay_with_a_scripted_user_plays_the_whole_conversation(talk, tmp_
     assert "ended by its answer after 4 turns" in result.output and 'counters: {"user_turns": 3}' in result.output
     alone = CliRunner().invoke(app, args)  # no user: the first text turn is the answer
     assert alone.exit_code == 0 and "ended by its answer after 1 turn" in alone.output
+
+
+def test_a_runs_env_gets_the_configs_user(talk):
+    from grooves.training.build import env_task_set
+    from grooves.training.config import ConfigError, parse_config
+
+    config = parse_config({"model": {"spec": "tiny"}, "env": {"name": talk(), "user": "scripted"}})
+    assert isinstance(env_task_set(config).env.user, ScriptedUser)
+    bad = parse_config({"model": {"spec": "tiny"}, "env": {"name": talk(), "user": {"kind": "llm"}}})
+    with pytest.raises(ConfigError, match="env: user.base_url: required when kind = 'llm'"):
+        env_task_set(bad)

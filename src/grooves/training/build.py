@@ -79,7 +79,7 @@ def env_task_set(config: RunConfig) -> TaskSet:
     """The task set of an [env] run: the env's tasks, its scores as reward components."""
     spec = config.env
     try:
-        env = load_env(spec.name, **spec.options)
+        env = load_env(spec.name, user=spec.user, **spec.options)
     except (KeyError, ValueError, TypeError) as error:
         raise ConfigError(f"env: {error.args[0] if error.args else error}") from None
     weights = {**env.weights, **spec.weights}
