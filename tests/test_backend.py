@@ -284,3 +284,15 @@ def test_oversized_compressed_and_non_protobuf_bodies_are_refused(service, monke
                              headers={"Content-Type": "application/x-protobuf"})
         assert response.status_code == 413 and "100 bytes" in response.json()["detail"]
         assert http.get("/api/v1/healthz").status_code == 200
+
+
+def test_the_routes_do_not_load_the_training_loop():
+    """backend/app needs the trainer's primitives, not the loop (issue 30): a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = ("import sys, grooves.backend.app; "
+            "print(sorted(m for m in sys.modules if m.startswith('grooves.training')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "grooves.training.trainer" in loaded
+    assert "grooves.training.loop" not in loaded and "grooves.training.api" not in loaded

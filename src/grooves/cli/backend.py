@@ -63,11 +63,7 @@ def serve_command(
     except (*_user_errors(), ValueError) as error:
         sock.close()
         raise _fail(str(error)) from None
-    handler = logging.StreamHandler()  # stderr: every refusal with its reason, one line each
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    service_log = logging.getLogger("grooves.backend")
-    service_log.addHandler(handler)
-    service_log.setLevel(logging.INFO)
+    _log_to_stderr()
     bound_host, bound_port = sock.getsockname()[:2]
     err.print(f"[bold]grooves backend[/]: training LoRAs on {model} for {len(tenants)} tenant(s) on "
               f"http://{bound_host}:{bound_port} (checkpoints under {root})", highlight=False)
@@ -76,6 +72,15 @@ def serve_command(
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         backend.close()
+
+
+def _log_to_stderr() -> None:
+    """The service's log on stderr: every refusal with its reason, a client gone, one line each."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    service_log = logging.getLogger("grooves.backend")
+    service_log.addHandler(handler)
+    service_log.setLevel(logging.INFO)
 
 
 @app.command("usage")
