@@ -197,3 +197,29 @@ def test_legacy_completions_return_vllm_token_fields(client):
     assert all(set(entry) == {str(token)} for entry, token in zip(choice["prompt_logprobs"][1:], ids[1:]))
     assert reply.system_fingerprint == "tiny"
     assert json.loads(reply.model_dump_json())["choices"][0]["token_ids"] == choice["token_ids"]
+
+
+def test_a_folder_peft_cannot_load_is_vllms_500_and_leaves_nothing_behind(server, client, folders):
+    runs, _ = folders
+    broken = runs / "adapters" / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "target_modules": ["no_such_layer"]}')
+    failed = post(server, "load_lora_adapter", {"lora_name": "broken", "lora_path": str(broken)})
+    assert failed.status_code == 500
+    assert failed.json()["error"]["type"] == "InternalServerError" and failed.json()["error"]["code"] == 500
+    assert "broken" not in [m.id for m in client.models.list()] and server[0].registry.loaded() == []
+    assert greedy(client, "tiny").choices[0].finish_reason in {"stop", "length"}  # the server goes on
+
+
+def test_a_name_of_any_text_is_served_and_its_header_cannot_be_forged(server, client, folders):
+    runs, _ = folders
+    name = "modèle\r\nX-Injected: 1"
+    assert post(server, "load_lora_adapter", {"lora_name": name, "lora_path": str(runs / "adapters" / "a")}
+                ).status_code == 200
+    try:
+        raw = client.chat.completions.with_raw_response.create(model=name, messages=HELLO, max_tokens=2)
+        assert raw.parse().system_fingerprint == name  # the body says it exactly
+        assert raw.headers["x-grooves-checkpoint"] == "mod%C3%A8le%0D%0AX-Injected:%201"
+        assert "x-injected" not in raw.headers
+    finally:
+        post(server, "unload_lora_adapter", {"lora_name": name})

@@ -35,7 +35,7 @@ from grooves.serve.lora import install_lora_routes, model_card
 from grooves.serve.protocol import AdapterRequest, ApiError, ChatCompletionRequest, CompletionRequest
 from grooves.serve.responses import completion_body
 from grooves.serve.server import (
-    CLIENT_GONE, MAX_BODY_BYTES, SERVED_HEADER, Server, as_api_error, event_queue, next_event, stopped_error, submit,
+    CLIENT_GONE, MAX_BODY_BYTES, Server, as_api_error, event_queue, next_event, stopped_error, served_headers, submit,
     watch_client,
 )
 from grooves.serve.streaming import CancellingStream, chat_stream
@@ -105,7 +105,7 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         record.update(model=body.model, prompt_tokens=len(generation.prompt_ids))
         submit(server, generation)
         served = generation.resolved.served
-        headers = {SERVED_HEADER: served}
+        headers = served_headers(served)
         if body.stream:
             stream = chat_stream(server, body, generation.prompt_ids, events, record, served)
             return CancellingStream(stream, generation.cancelled, media_type="text/event-stream", headers=headers)

@@ -22,7 +22,7 @@ from grooves.serve.engine import Failed, Finished, GenerationRequest
 from grooves.serve.protocol import ApiError, CompletionRequest
 from grooves.serve.responses import completion_id, token_bytes, usage
 from grooves.serve.server import (
-    CLIENT_GONE, SERVED_HEADER, Server, as_api_error, event_queue, next_event, submit, watch_client,
+    CLIENT_GONE, Server, as_api_error, event_queue, next_event, served_headers, submit, watch_client,
 )
 from grooves.serve.streaming import CancellingStream, legacy_stream
 from grooves.serve.tokens import prompt_logprobs, scored_prompt
@@ -50,7 +50,7 @@ async def completions(server: Server, body: CompletionRequest, request) -> Respo
             temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens, stop=body.stop_list,
             seed=body.seed, top_logprobs=body.logprobs or 0, stream=body.stream, ignore_eos=body.ignore_eos,
             resolved=resolved, cancelled=cancelled))
-    headers = {SERVED_HEADER: resolved.served}
+    headers = served_headers(resolved.served)
     if body.stream:
         stream = legacy_stream(server, body, record["prompt_tokens"], events, len(prompts), record, resolved.served)
         return CancellingStream(stream, cancelled, media_type="text/event-stream", headers=headers)

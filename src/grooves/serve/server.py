@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
+from urllib.parse import quote
 
 from grooves.serve.adapters import AdapterRegistry, UnknownModel
 from grooves.serve.engine import Cancelled, Engine, EngineStopped, Event, GenerationRequest, QueueFull
@@ -103,6 +104,12 @@ async def next_event(server: Server, events: asyncio.Queue, gone: list[bool] | N
 def stopped_error() -> ApiError:
     return ApiError(503, "the server's engine is not running (shutting down)", "server_error",
                     code="engine_stopped")
+
+
+def served_headers(served: str) -> dict[str, str]:
+    """The header naming the weights that answered; a runtime LoRA's name is the caller's text, so
+    anything but plain printable ASCII is percent-encoded (no header injection, no encoding error)."""
+    return {SERVED_HEADER: quote(served, safe="@:/._-+~=")}
 
 
 @contextlib.asynccontextmanager
