@@ -20,7 +20,7 @@ from grooves.backend.queue import UserError
 
 log = logging.getLogger("grooves.backend")
 
-MAX_JSON_DEPTH = 32  # the SDK's deepest body (a sample request's prompt chunks) nests 4 levels
+MAX_JSON_DEPTH = 32  # the SDK's deepest body (a sample request's prompt tokens) nests 5 levels
 # a JSON string (skipped whole, so brackets inside it do not count) or a bracket
 _STRUCTURE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 _OPENERS = (ord("["), ord("{"))
