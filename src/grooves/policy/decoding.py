@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from grooves.policy.packing import _foldable_adapter, packed_linears
 from grooves.policy.prefill import _make_room, _prefill, _row_past
-from grooves.policy.rows import BASE_ADAPTER, Constraint, Past, Row, RowOutput, TokenCallback
+from grooves.policy.rows import BASE_ADAPTER, Constraint, Past, Row, RowOutput, TokenCallback, _Model
 
 __all__ = ["BASE_ADAPTER", "Constraint", "Past", "Row", "RowOutput", "TokenCallback", "decode", "pick_tokens",
            "sample_from", "top_p_filter"]
@@ -83,39 +83,6 @@ def _decode(policy, rows: list[Row], on_token: TokenCallback | None) -> list[Row
     for row, out in zip(rows, outputs):
         out.text = _text(policy, out.token_ids, row.stop)
     return outputs
-
-
-class _Model:
-    """Calls the model with the rows' adapters.
-
-    When every row uses the same adapter (or none), the model runs plainly with that adapter
-    switched on (or all switched off); PEFT's mixed-batch path, which splits every layer's
-    input by adapter, is used only for batches that really mix adapters.
-    """
-
-    def __init__(self, policy, rows: list[Row]):
-        self.policy = policy
-        self.names = None
-        if not policy.has_adapter and any(r.adapter not in (None, BASE_ADAPTER) for r in rows):
-            raise ValueError("a row asks for an adapter but the model has none loaded")
-        if policy.has_adapter and any(r.adapter is not None for r in rows):
-            active = policy.model.active_adapter
-            self.names = [r.adapter or active for r in rows]
-
-    def __call__(self, active: list[int], **kwargs):
-        if self.names is None:
-            return self.policy.causal_lm(**kwargs)
-        names = [self.names[i] for i in active]
-        if len(set(names)) > 1:
-            return self.policy.model(adapter_names=names, **kwargs)
-        if names[0] == BASE_ADAPTER:
-            with self.policy.model.disable_adapter():
-                return self.policy.causal_lm(**kwargs)
-        if self.policy.model.active_adapter != names[0]:
-            self.policy.model.set_adapter(names[0])
-        return self.policy.causal_lm(**kwargs)
-
-
 
 
 def pick_tokens(logits: torch.Tensor, rows: list[Row], remaining: list[int]) -> tuple[list[int], list[float], list]:

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 
-from grooves.policy.rows import Past, Row
+from grooves.policy.rows import Past, Row, _Model
 
-if TYPE_CHECKING:
-    from grooves.policy.decoding import _Model
 
 def _row_past(cache, position: int, attention: torch.Tensor) -> Past:
     """Row ``position``'s KV without its padding columns (indexing copies: the batch cache moves on)."""

@@ -65,3 +65,33 @@ class RowOutput:
 
 TokenCallback = Callable[[int, int, float], None]  # (row index, token id, logprob) as each token is chosen
 
+
+class _Model:
+    """Calls the model with the rows' adapters.
+
+    When every row uses the same adapter (or none), the model runs plainly with that adapter
+    switched on (or all switched off); PEFT's mixed-batch path, which splits every layer's
+    input by adapter, is used only for batches that really mix adapters.
+    """
+
+    def __init__(self, policy, rows: list[Row]):
+        self.policy = policy
+        self.names = None
+        if not policy.has_adapter and any(r.adapter not in (None, BASE_ADAPTER) for r in rows):
+            raise ValueError("a row asks for an adapter but the model has none loaded")
+        if policy.has_adapter and any(r.adapter is not None for r in rows):
+            active = policy.model.active_adapter
+            self.names = [r.adapter or active for r in rows]
+
+    def __call__(self, active: list[int], **kwargs):
+        if self.names is None:
+            return self.policy.causal_lm(**kwargs)
+        names = [self.names[i] for i in active]
+        if len(set(names)) > 1:
+            return self.policy.model(adapter_names=names, **kwargs)
+        if names[0] == BASE_ADAPTER:
+            with self.policy.model.disable_adapter():
+                return self.policy.causal_lm(**kwargs)
+        if self.policy.model.active_adapter != names[0]:
+            self.policy.model.set_adapter(names[0])
+        return self.policy.causal_lm(**kwargs)

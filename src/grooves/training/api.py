@@ -13,7 +13,7 @@ from grooves.policy.policy import Policy
 from grooves.progress import Reporter
 from grooves.rewards.compose import Reward, as_reward
 from grooves.training.build import build_reward, load_policy, share_backbones, task_sets, task_splits
-from grooves.training.config import ConfigError, RewardConfig, RunConfig, TasksConfig, parse_config
+from grooves.training.config import RewardConfig, RunConfig, TasksConfig, parse_config
 from grooves.training.ddp import init_from_env
 from grooves.training.loop import StopRule, TrainingRun
 from grooves.training.runfolder import Run
