@@ -68,3 +68,14 @@ def test_the_server_still_answers_after_clients_left(server):
     reply = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3,
                                            extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+
+
+def test_a_client_that_times_out_stops_a_legacy_completion(server):
+    before = health(server)["generated_tokens"]
+    impatient = openai.OpenAI(base_url=server[1], api_key="unused", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model="tiny", prompt=["one", "two"], max_tokens=LONG,
+                                     extra_body={"ignore_eos": True})
+    first, later = settled_count(server)
+    assert first == later
+    assert 0 < later - before < 2 * LONG

@@ -223,3 +223,20 @@ def test_a_name_of_any_text_is_served_and_its_header_cannot_be_forged(server, cl
         assert "x-injected" not in raw.headers
     finally:
         post(server, "unload_lora_adapter", {"lora_name": name})
+
+
+def test_legacy_streams_carry_vllm_token_ids_too(client):
+    whole = client.completions.create(model="tiny", prompt=["the cat", "a dog"], max_tokens=6, seed=9, n=2,
+                                      extra_body={"return_token_ids": True})
+    joined, prompts = {}, {}
+    for chunk in client.completions.create(model="tiny", prompt=["the cat", "a dog"], max_tokens=6, seed=9, n=2,
+                                           stream=True, extra_body={"return_token_ids": True}):
+        for choice in chunk.choices:
+            extra = choice.model_extra
+            joined.setdefault(choice.index, []).extend(extra["token_ids"])
+            if "prompt_token_ids" in extra:
+                assert choice.index not in prompts  # on the first chunk of each choice only
+                prompts[choice.index] = extra["prompt_token_ids"]
+    for choice in whole.choices:
+        assert joined[choice.index] == choice.model_extra["token_ids"]
+        assert prompts[choice.index] == choice.model_extra["prompt_token_ids"]

@@ -52,7 +52,7 @@ async def completions(server: Server, body: CompletionRequest, request) -> Respo
             resolved=resolved, cancelled=cancelled))
     headers = served_headers(resolved.served)
     if body.stream:
-        stream = legacy_stream(server, body, record["prompt_tokens"], events, len(prompts), record, resolved.served)
+        stream = legacy_stream(server, body, prompts, events, record, resolved.served)
         return CancellingStream(stream, cancelled, media_type="text/event-stream", headers=headers)
     outputs: dict[int, list[RowOutput]] = {}
     async with watch_client(request.receive, cancelled) as gone:

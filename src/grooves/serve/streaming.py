@@ -165,16 +165,26 @@ def _output_delta(body: ChatCompletionRequest, message: dict, text: TextStream, 
     return delta
 
 
-async def legacy_stream(server: Server, body: CompletionRequest, prompt_tokens: int, events: asyncio.Queue,
-                        requests: int, record: dict, served: str) -> AsyncIterator[str]:
-    """Text deltas of ``requests`` prompts' samples; events arrive as ``(prompt index, event)``."""
+async def legacy_stream(server: Server, body: CompletionRequest, prompts: list[list[int]], events: asyncio.Queue,
+                        record: dict, served: str) -> AsyncIterator[str]:
+    """Text deltas of each prompt's samples; events arrive as ``(prompt index, event)``. With
+    ``return_token_ids`` a choice's first chunk carries its ``prompt_token_ids`` and each chunk
+    the ``token_ids`` it adds (vLLM's fields)."""
     chunk_id, created = completion_id("cmpl"), int(time.time())
-    texts = {}
-    left, completion_tokens = requests, 0
+    texts: dict[int, TextStream] = {}
+    unsent: dict[int, list[int]] = {}  # token ids not yet on a chunk, per choice
+    started: set[int] = set()
+    left, completion_tokens = len(prompts), 0
 
     def chunk(index: int, text: str, finish: str | None = None) -> dict:
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+        if body.return_token_ids:
+            choice["token_ids"], unsent[index] = unsent.get(index, []), []
+            if index not in started:
+                choice["prompt_token_ids"] = prompts[index // body.n]
+        started.add(index)
         out = {"id": chunk_id, "object": "text_completion", "created": created, "model": body.model,
-               "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}]}
+               "choices": [choice]}
         return {**out, "usage": None} if body.include_usage else out
 
     while left:
@@ -185,6 +195,7 @@ async def legacy_stream(server: Server, body: CompletionRequest, prompt_tokens: 
             return
         if isinstance(event, TokenEvent):
             index = prompt * body.n + event.index
+            unsent.setdefault(index, []).append(event.token)
             stream = texts.setdefault(index, TextStream(server.policy, body.stop_list))
             if delta := stream.push(event.token):
                 yield sse(chunk(index, delta))
@@ -200,5 +211,5 @@ async def legacy_stream(server: Server, body: CompletionRequest, prompt_tokens: 
             return
     record["completion_tokens"] = completion_tokens
     if body.include_usage:
-        yield sse({**chunk(0, ""), "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield sse({**chunk(0, ""), "choices": [], "usage": usage(sum(map(len, prompts)), completion_tokens)})
     yield DONE
