@@ -2,9 +2,11 @@
 
 The run is trained here on the tiny model (4 steps, checkpoints at 2 and 4); a multi-turn
 rollout of the search env (scripted turns through the real rollout code) is recorded into its
-run.sqlite, and one alert. Chromium is Debian's package (the Makefile installs it); nothing is
-downloaded. Set GROOVES_DOCS_SCREENSHOTS=1 to write the screenshots of docs/dashboard.md into
-docs/img/ (otherwise they go to the test's temporary folder).
+run.sqlite, and one alert. A second run, written by hand with numbers to check, is paused by an
+alert and has a flat curve; the two are overlaid. Charts are uPlot's canvas: values are read
+where a person reads them, in the legend under the cursor. Chromium is Debian's package (the
+Makefile installs it); nothing is downloaded. Set GROOVES_DOCS_SCREENSHOTS=1 to write the
+screenshots of docs/dashboard.md into docs/img/ (otherwise they go to the test's temporary folder).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (make install puts it there)")]
 RUN = "tiny-run"
+OTHER = "other-run"
 DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 
 
@@ -60,6 +63,13 @@ def root(tmp_path_factory):
     store.record_groups(4, [group])
     store.record_alert(3, "collapse", "warn", "6 of 8 outputs are the same", {"text": "aaaa", "action": "warn"})
     store.close()
+    other = RunStore(runs / OTHER)
+    (runs / OTHER / "config.toml").write_text("steps = 10\n")
+    for step, reward in ((1, 0.2), (2, 0.4), (3, 0.6)):
+        other.log_metrics(step, {"reward/total": reward, "reward/flat": 0.25, "kl": 0.0})
+    other.record_alert(3, "judge_directed", "critical", "4 of 4 outputs address the judge",
+                       {"text": "Dear judge, this title deserves a 10.", "pattern": "judge", "action": "pause"})
+    other.close()
 
     from typer.testing import CliRunner
 
@@ -102,16 +112,37 @@ def page(browser):
     # bypass_csp: wait_for_function evaluates a string, which the dashboard's policy forbids a page
     # (tests/test_dashboard_untrusted_browser.py runs under the policy).
     page = browser.new_page(viewport={"width": 1280, "height": 900}, bypass_csp=True)
-    errors = []
+    errors, failed = [], []
     page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
     yield page
     page.close()
     assert not errors, f"JavaScript errors on the page: {errors}"
+    assert not failed, f"requests that failed (a favicon, an asset): {failed}"
 
 
 def screenshot(page, name: str, tmp_path) -> None:
     folder = DOCS_IMG if os.environ.get("GROOVES_DOCS_SCREENSHOTS") == "1" else tmp_path
     page.screenshot(path=str(folder / f"dashboard-{name}.png"), full_page=True)
+
+
+def metric(root: Path, key: str, step: int, run: str = RUN) -> float:
+    rows = [json.loads(line) for line in (root / run / "metrics.jsonl").read_text().splitlines()]
+    return next(r[key] for r in rows if r["step"] == step and key in r)
+
+
+def hover(page, chart: str, step: float, lo: int, hi: int) -> dict[str, str]:
+    """Put the mouse over ``step`` of a chart whose step axis runs from ``lo`` to ``hi``, and
+    read its legend: {series label: the value shown}."""
+    box = page.locator(f"[data-chart='{chart}'] .u-over").bounding_box()
+    x = box["x"] + (step - lo) / (hi - lo) * box["width"]
+    page.mouse.move(min(max(x, box["x"] + 1), box["x"] + box["width"] - 1), box["y"] + box["height"] / 2)
+    return legend(page, chart)
+
+
+def legend(page, chart: str) -> dict[str, str]:
+    rows = page.locator(f"[data-chart='{chart}'] .u-legend .u-series").all()
+    return {row.locator("th").inner_text().strip(): row.locator(".u-value").inner_text() for row in rows}
 
 
 def metrics_at(root: Path, step: int) -> dict:
@@ -124,22 +155,101 @@ def test_runs_list_and_a_run_with_its_curves_and_alerts(page, server, root, tmp_
     row = page.locator(f"tr[data-run='{RUN}']")
     row.wait_for()
     assert row.locator("[data-testid=status]").inner_text() == "finished"
-    assert "4 / 4" in row.inner_text() and row.locator("td").nth(5).inner_text() == "1"  # one alert
+    assert "4 / 4" in row.inner_text() and row.locator("td").nth(6).inner_text() == "1"  # one alert
     screenshot(page, "runs", tmp_path)
 
     row.locator("a").click()
-    page.locator(".chart").first.wait_for()
+    page.locator(".chart .u-over").first.wait_for()
     titles = page.locator(".chart h3").all_inner_texts()
     assert titles[:3] == ["reward/total", "reward/short", "reward/vowels"]
     assert {"kl", "entropy", "completion_len", "clipfrac"} <= set(titles)
     total = page.locator("[data-chart='reward/total']")
-    train_points = total.locator("polyline.line-train").get_attribute("points").split()
-    heldout_points = total.locator("polyline.line-heldout").get_attribute("points").split()
-    assert len(train_points) == 4 and len(heldout_points) == 3  # steps 1-4; held-out at 0, 2, 4
-    assert len({p.split(",")[1] for p in train_points}) > 1  # a drawn curve, not a flat placeholder
-    assert total.locator("line.alert-mark").count() == 1  # the alert at step 3, on the same axis
-    assert "collapse" in page.locator("[data-testid=alert]").inner_text()
+    assert total.get_attribute("data-steps") == "5"  # steps 0-4: training at 1-4, held-out at 0, 2 and 4
+    shown = {step: hover(page, "reward/total", step, 0, 4) for step in range(5)}
+    assert [shown[step]["step"] for step in range(5)] == ["0", "1", "2", "3", "4"]
+    for step in range(1, 5):  # the value under the cursor is the logged one
+        assert float(shown[step]["train"]) == pytest.approx(metric(root, "reward/total", step), abs=5e-5)
+    for step in (0, 2, 4):
+        assert float(shown[step]["held-out"]) == pytest.approx(metric(root, "val/reward/total", step), abs=5e-5)
+    assert (shown[0]["train"], shown[1]["held-out"], shown[3]["held-out"]) == ("–", "–", "–")  # no point there
+    assert len({shown[step]["train"] for step in range(1, 5)}) > 1  # a drawn curve, not a flat placeholder
+    marks = total.locator(".alert-mark")
+    assert marks.count() == 1 and marks.get_attribute("data-step") == "3"  # the alert, on the same step axis
+    assert "collapse" in marks.get_attribute("title") and "collapse" in page.locator("[data-testid=alert]").inner_text()
+    hover(page, "reward/total", 3, 0, 4)  # under the chart, what the alert at the cursor's step says
+    assert total.locator(".marks-note").inner_text() == "step 3: collapse (warn) 6 of 8 outputs are the same"
+    assert "null" not in page.locator("main").inner_text() and "undefined" not in page.locator("main").inner_text()
+    page.mouse.move(0, 0)
     screenshot(page, "run", tmp_path)
+
+
+def test_two_runs_overlaid_on_one_chart(page, server, root, tmp_path):
+    page.goto(server + "/")
+    page.locator(f"tr[data-run='{RUN}'] input[type=checkbox]").check()
+    page.locator(f"tr[data-run='{OTHER}'] input[type=checkbox]").check()
+    page.locator("#overlay").click()
+    page.locator("[data-chart='reward/total'] .u-over").wait_for()
+    assert list(legend(page, "reward/total")) == ["step", f"{RUN} · train", f"{RUN} · held-out", f"{OTHER} · train"]
+    shown = hover(page, "reward/total", 2, 0, 4)  # both runs' values at step 2, on one chart
+    assert float(shown[f"{RUN} · train"]) == pytest.approx(metric(root, "reward/total", 2), abs=5e-5)
+    assert float(shown[f"{RUN} · held-out"]) == pytest.approx(metric(root, "val/reward/total", 2), abs=5e-5)
+    assert shown[f"{OTHER} · train"] == "0.4"
+    assert hover(page, "reward/total", 4, 0, 4)[f"{OTHER} · train"] == "–"  # the other run stopped at step 3
+    assert page.locator("[data-chart='reward/flat']").count() == 1  # a chart only one of them has is kept
+    screenshot(page, "overlay", tmp_path)
+
+
+def test_smoothing_log_scale_zoom_and_flat_curves(page, server):
+    page.goto(server + f"/#/run/{OTHER}")
+    page.locator("[data-chart='reward/total'] .u-over").wait_for()
+    # A flat curve reads as its value: one tick at 0.25 (not a band from -0.25 to 0.75), and a KL of 0.0 is 0.
+    assert page.locator("[data-chart='reward/flat'] .uplot").get_attribute("data-yticks") == "0.25"
+    assert page.locator("[data-chart='kl'] .uplot").get_attribute("data-yticks") == "0"
+    assert legend(page, "kl")["train"] == "0" and legend(page, "reward/flat")["train"] == "0.25"  # the last values
+
+    page.locator("#smoothing").fill("0.5")
+    # EMA with weight 0.5, debiased: (0.5 * 0.5 * 0.2 + 0.5 * 0.4) / (1 - 0.5^2) = 0.3333 at step 2,
+    # (0.5 * 0.25 + 0.5 * 0.6) / (1 - 0.5^3) = 0.4857 at step 3; the raw curve stays beside it.
+    assert hover(page, "reward/total", 2, 1, 3) == {"step": "2", "train (raw)": "0.4", "train": "0.3333"}
+    assert hover(page, "reward/total", 3, 1, 3)["train"] == "0.4857"
+    page.locator("#smoothing").fill("0")
+
+    page.locator("#log-scale").check()
+    assert page.locator("[data-chart='reward/total']").get_attribute("data-scale") == "log"
+    assert page.locator("[data-chart='kl']").get_attribute("data-scale") == "linear"  # nothing above 0 to place
+    page.locator("#log-scale").uncheck()
+
+    box = page.locator("[data-chart='reward/total'] .u-over").bounding_box()
+    middle = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + 2, middle)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] / 2, middle, steps=5)
+    page.mouse.up()
+    zoom = page.locator("[data-chart='reward/total']").get_attribute("data-zoom")
+    low, high = map(float, zoom.split())
+    assert 1 <= low < 1.1 and 1.9 < high < 2.1  # about steps 1 to 2 of 1 to 3
+    assert page.locator("[data-chart='kl']").get_attribute("data-zoom") == zoom  # every chart follows
+    page.locator("#reset-zoom").click()
+    assert page.locator("[data-chart='kl']").get_attribute("data-zoom") == ""
+
+
+def test_a_paused_run_shows_its_alert_evidence_and_the_resume_command(page, server, root, tmp_path):
+    page.goto(server + "/")
+    row = page.locator(f"tr[data-run='{OTHER}']")
+    assert row.locator("[data-testid=status]").inner_text() == "paused by an alert"
+    row.locator("[data-testid=status]").click()
+    alert = page.locator("[data-testid=halt-alert]")
+    alert.wait_for()
+    assert alert.locator("h2").inner_text() == "judge_directed · critical · step 3"
+    assert "Dear judge, this title deserves a 10." in alert.locator(".evidence").inner_text()
+    folder = root / OTHER
+    assert page.locator("#resume-command").inner_text() == (
+        f"grooves train {folder}/config.toml --resume --out {folder} --ack judge_directed")
+    page.goto(server + f"/#/run/{OTHER}")
+    assert "judge_directed" in page.locator("[data-testid=halt]").inner_text()  # the run page says so too
+    page.goto(server + f"/#/run/{OTHER}/alert")
+    alert.wait_for()
+    screenshot(page, "paused", tmp_path)
 
 
 def test_label_a_sample_and_find_it_in_run_sqlite(page, server, root, tmp_path):
@@ -151,6 +261,8 @@ def test_label_a_sample_and_find_it_in_run_sqlite(page, server, root, tmp_path):
     card.locator("button[data-label=hack]").click()
     page.wait_for_function(f"document.querySelector(\".card[data-sample='{ident}'] [data-testid=given]\")"
                            ".textContent === 'hack'")
+    given, edge = card.locator("[data-testid=given]").bounding_box(), card.bounding_box()
+    assert given["x"] + given["width"] <= edge["x"] + edge["width"]  # the badge stays inside its card
     with sqlite3.connect(root / RUN / "run.sqlite") as db:
         assert db.execute("SELECT label, note, step FROM labels WHERE trajectory_id = ?", (ident,)).fetchall() == [
             ("hack", "repeats the prompt", 4)]
@@ -178,6 +290,7 @@ def test_a_multi_turn_transcript_shows_tools_and_trained_tokens(page, server, ro
     untrained = page.locator("#tokens .untrained").all_inner_texts()
     assert len(trained) == 3 and len(untrained) >= 2  # model turns trained; tool results not
     assert "answer" in trained[-1] and any("calendar.TextCalendar" in text for text in untrained)
+    assert "null" not in page.locator("main").inner_text()
     screenshot(page, "transcript", tmp_path)
 
 
@@ -201,16 +314,19 @@ def test_live_updates_while_a_run_trains(page, server, root):
     store.log_metrics(1, {"reward/total": 0.1, "kl": 0.01})
     (root / "live-run" / ".lock.owner").write_text(json.dumps(
         {"pid": os.getpid(), "host": socket.gethostname(), "since": "now"}))  # as a training process writes
+    asked = []
+    page.on("request", lambda r: asked.append(r.url.split("/api/", 1)[1]) if "/api/runs/live-run" in r.url else None)
     page.goto(server + "/#/run/live-run")
     page.locator("[data-testid=status]", has_text="running").wait_for()
-    assert page.locator("[data-chart='reward/total'] circle").count() == 1  # one point so far
+    assert page.locator("[data-chart='reward/total']").get_attribute("data-steps") == "1"  # one point so far
     store.log_metrics(2, {"reward/total": 0.3, "kl": 0.02})
     store.close()
-    page.wait_for_function("(document.querySelector(\"[data-chart='reward/total'] polyline\") || {})"
-                           ".getAttribute && document.querySelector(\"[data-chart='reward/total'] polyline\")"
-                           ".getAttribute('points').split(' ').length === 2", timeout=15_000)
+    page.locator("[data-chart='reward/total'][data-steps='2']").wait_for(timeout=15_000)
+    assert hover(page, "reward/total", 2, 1, 2)["train"] == "0.3"
     (root / "live-run" / ".lock.owner").unlink()
     page.locator("[data-testid=status]", has_text="stopped").wait_for(timeout=15_000)
+    # One request for the page, then one event stream that brought both changes: no polling.
+    assert len(asked) == 2 and asked[0] == "runs/live-run" and asked[1].startswith("runs/live-run/events?since=")
 
 
 def test_eval_results_are_shown(page, server, root, tmp_path):
@@ -223,4 +339,5 @@ def test_eval_results_are_shown(page, server, root, tmp_path):
     report = json.loads((root.parent / "evals" / "tiny" / "eval.json").read_text())
     assert cells[1][2] == f"{report['candidates'][1]['reward']:.3f} ± {report['candidates'][1]['reward_se']:.3f}"
     page.wait_for_function("document.querySelector('img.eval-chart').naturalWidth > 0")  # the PNG loaded
+    assert page.locator("header").inner_text().split().count("evals") == 1  # a link, not also a crumb
     screenshot(page, "evals", tmp_path)

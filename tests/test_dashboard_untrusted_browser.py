@@ -88,13 +88,15 @@ def browser():
 @pytest.fixture
 def page(browser):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
-    dialogs, errors = [], []
+    dialogs, errors, refused = [], [], []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda m: refused.append(m.text) if m.text.startswith("Refused to") else None)  # CSP
     yield page
     assert page.evaluate("window.__pwned") is None, "a planted handler ran"
     assert not dialogs, f"planted script opened dialogs: {dialogs}"
     assert not errors, f"JavaScript errors on the page: {errors}"
+    assert not refused, f"the page's own policy refused: {refused}"
     page.close()
 
 
@@ -128,8 +130,20 @@ def test_the_runs_list_and_a_run_show_markup_as_text(page, server, root):
     assert f"reward/{COMPONENT}" in page.locator(".chart h3").all_inner_texts()
     assert page.locator(f".chart[data-chart='reward/{COMPONENT}']").count() == 1
     assert f"det{IMG}" in page.locator("[data-testid=alert]").inner_text()
-    titles = page.locator(".chart svg title").all_text_contents()  # the hover text of the alert marks
-    assert any(f"message {SCRIPT}" in t for t in titles)
+    marks = page.locator(".chart .alert-mark").all()  # the hover text of the alert marks
+    assert marks and all(m.get_attribute("title") == f"step 2: det{IMG} (warn) message {SCRIPT}" for m in marks)
+    assert f"reward/{COMPONENT}" in page.locator(f".chart[data-chart='reward/{COMPONENT}'] h3").inner_text()
+    page.locator(".u-legend").first.wait_for()
+    assert "train" in page.locator(".u-legend").first.inner_text()
+    settle(page)
+    assert planted_elements(page) == 0
+
+    from urllib.parse import quote
+
+    page.goto(server + f"/#/curves?run={quote(RUN, safe='')}&run={quote(RUN, safe='')}")  # the overlay page
+    page.locator(".chart .u-legend").first.wait_for()
+    labels = page.locator("[data-chart='reward/total'] .u-legend th").all_inner_texts()
+    assert f"{RUN} · train" in [label.strip() for label in labels]  # the run's name, as text, in the legend
     settle(page)
     assert planted_elements(page) == 0
 
@@ -228,7 +242,7 @@ def test_a_live_redraw_keeps_the_evidence_the_reader_opened(page, server, root):
         page.locator("[data-testid=alert] summary").click()
         assert page.locator("[data-testid=alert] details[open]").count() == 1
         store.log_metrics(2, {"reward/total": 0.3})  # the trainer writes a step: the page redraws
-        page.locator("[data-chart='reward/total'] polyline").wait_for(timeout=15_000)
+        page.locator("[data-chart='reward/total'][data-steps='2']").wait_for(timeout=15_000)
         assert page.locator("[data-testid=alert] details[open]").count() == 1
     finally:
         store.close()

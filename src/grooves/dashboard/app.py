@@ -1,14 +1,16 @@
 """The dashboard's HTTP side: a JSON API over the runs root and the static page that reads it.
 
-Routes: ``GET /`` (the page), ``GET /static/...``, ``GET /api/runs``, ``GET /api/runs/{run}``,
+Routes: ``GET /`` (the page), ``GET /static/...``, ``GET /favicon.ico``, ``GET /api/runs``,
+``GET /api/events`` (the runs list as server-sent events), ``GET /api/runs/{run}``,
+``GET /api/runs/{run}/events`` (the run as server-sent events while it trains),
 ``GET /api/runs/{run}/review``, ``POST /api/runs/{run}/labels``,
 ``GET /api/runs/{run}/samples/{id}``, ``POST /api/runs/{run}/compare``, ``GET /api/evals``,
 ``GET /api/evals/{name}/chart``.
 Every answer carries a Content-Security-Policy that lets only the package's own script run
 and forbids framing (no clickjacking a label).
 
-Every request passes ``RequestFilter`` first. Bound to loopback, the app answers only requests whose
-``Host`` is a loopback name, so a web page elsewhere cannot read runs through DNS rebinding.
+Every request passes ``RequestFilter`` first. Bound to loopback, the app answers only requests
+whose ``Host`` is a loopback name, so a web page elsewhere cannot read runs through DNS rebinding.
 A POST (a label, a comparison) must come from the dashboard's own page: a browser's
 ``Origin`` must be this server, the body must be JSON (``Content-Type: application/json``,
 which a cross-site form or a no-preflight ``fetch`` cannot send) and at most ``MAX_BODY``
@@ -30,15 +32,15 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import parse_qs, urlsplit
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
-from fastapi import Query
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
 import grooves.dashboard.compare as comparing
+import grooves.dashboard.live as live
 import grooves.dashboard.runs as reading
 from grooves.workflows.review import ReviewError
 
@@ -235,9 +237,22 @@ def create_app(root: Path, *, evals: Path | None = None, check_host: bool = True
     def runs() -> dict:
         return {"root": str(root), "runs": reading.list_runs(root)}
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon():  # browsers ask for it even with the page's <link rel=icon>
+        return FileResponse(str(static.joinpath("favicon.svg")), media_type="image/svg+xml")
+
+    @app.get("/api/events")
+    def runs_events(request: Request) -> StreamingResponse:
+        return _events(live.runs_events(root, request.is_disconnected))
+
     @app.get("/api/runs/{run}")
     def run(run: str) -> dict:
-        return reading.run_detail(root, run)
+        return live.detail(root, run)
+
+    @app.get("/api/runs/{run}/events")
+    def run_events(request: Request, run: str, since: Annotated[str | None, Query(max_length=400)] = None):
+        reading.run_dir(root, run)  # an unknown run is a 404 here, not a stream that ends at once
+        return _events(live.run_events(root, run, since, request.is_disconnected))
 
     @app.get("/api/runs/{run}/review")
     def review(run: str, step: Annotated[int | None, Query(ge=0, le=MAX_ID)] = None,
@@ -276,6 +291,11 @@ def create_app(root: Path, *, evals: Path | None = None, check_host: bool = True
 
     app.state.root = root
     return app
+
+
+def _events(stream) -> StreamingResponse:
+    return StreamingResponse(stream, media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
 @functools.lru_cache(maxsize=4)
@@ -320,5 +340,7 @@ def serve(root: Path, host: str = "127.0.0.1", port: int = 8765, evals: Path | N
     if not loopback and token is None:
         raise ValueError(f"serving on {host} (not loopback) needs a token: labels are writes")
     app = create_app(root, evals=evals, check_host=loopback, token=None if loopback else token)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    # Ctrl-C closes open event streams after a second instead of waiting for the pages to leave.
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
     server.run(sockets=[sock] if sock is not None else None)

@@ -116,7 +116,7 @@ def _configured_steps(folder: Path) -> int | None:
 
 def _status(folder: Path, step: int | None, steps: int | None, alerts: list[dict]) -> str:
     """``running`` while a live process holds the run's lock; else why it ended."""
-    if _training(folder):
+    if is_training(folder):
         return "running"
     halting = [a for a in alerts if a["evidence"].get("action") in ("pause", "stop") and a["step"] == step]
     if halting:
@@ -126,7 +126,7 @@ def _status(folder: Path, step: int | None, steps: int | None, alerts: list[dict
     return "stopped"
 
 
-def _training(folder: Path) -> bool:
+def is_training(folder: Path) -> bool:
     """Whether ``RUN/.lock.owner`` (written by the training process, removed when it ends) names
     a live process; a crash can leave the file behind, so the pid is checked on this host."""
     try:
@@ -191,8 +191,7 @@ def run_detail(root: Path, name: str) -> dict[str, Any]:
     charts += [{"title": metric, "lines": _lines(series, metric, f"val/{metric}")} for metric in CHARTS
                if metric in series or f"val/{metric}" in series]
     summary = run_summary(folder)
-    return {**summary, "charts": charts, "alerts": _alerts(folder), "review_steps": _sample_steps(folder),
-            "version": f"{_version(folder)}/{summary['status']}"}
+    return {**summary, "charts": charts, "alerts": _alerts(folder), "review_steps": _sample_steps(folder)}
 
 
 def thin(points: list, limit: int = MAX_POINTS) -> list:
@@ -208,8 +207,8 @@ def _lines(series: dict[str, list], train: str, heldout: str) -> list[dict[str, 
             for label, metric in (("train", train), ("held-out", heldout)) if metric in series]
 
 
-def _version(folder: Path) -> str:
-    """Changes whenever the run writes a metric, a sample, an alert or a label (live updates)."""
+def files_version(folder: Path) -> str:
+    """Changes whenever the run writes a metric, a sample, an alert or a label (``live.py``)."""
     parts = []
     for name in ("metrics.jsonl", "run.sqlite", "run.sqlite-wal"):
         try:  # the WAL file comes and goes as the trainer's connection opens and closes
