@@ -24,25 +24,28 @@ Interface (what the training loop, checkpoints and the alert policy use)::
 
 Detectors (``Detector.name``, also the config section and the metric name):
 ``collapse``, ``source_insensitivity``, ``reward_spike``, ``divergence``, ``length``,
-``repetition``, ``entropy``, ``judge_directed``, and ``sampler`` (a stale or drifting sampler, not a
-hack: ``grooves.monitors.sampler``). docs/reward_hacking.md describes each.
+``repetition``, ``entropy``, ``judge_directed``, and two that are not hacks: ``sampler`` (a stale or
+drifting sampler: ``grooves.monitors.sampler``) and ``guard_veto`` (a guard of the run vetoing every
+sample, so nothing is learned: ``grooves.monitors.vetoes``). docs/reward_hacking.md describes each.
 A new detector subclasses ``Detector``: set ``name`` and ``state_fields``, implement
 ``observe`` and report through ``self.alert(step, key, severity, message, evidence)``.
 """
 
 from grooves.monitors.base import SEVERITIES, Alert, Detector
 from grooves.monitors.config import (
-    CollapseConfig, DivergenceConfig, EntropyConfig, JudgeDirectedConfig, LengthConfig, MonitorsConfig,
-    RepetitionConfig, RewardSpikeConfig, SamplerConfig, SourceInsensitivityConfig, config_tables,
+    CollapseConfig, DivergenceConfig, EntropyConfig, GuardVetoConfig, JudgeDirectedConfig, LengthConfig,
+    MonitorsConfig, RepetitionConfig, RewardSpikeConfig, SamplerConfig, SourceInsensitivityConfig, config_tables,
 )
 from grooves.monitors.outputs import Collapse, JudgeDirected, Repetition, SourceInsensitivity
 from grooves.monitors.sampler import SamplerDrift
 from grooves.monitors.signals import Divergence, EntropyCollapse, LengthExploitation, RewardSpike
 from grooves.monitors.suite import DETECTORS, Monitors
+from grooves.monitors.vetoes import GuardVeto
 
 __all__ = [
     "DETECTORS", "SEVERITIES", "Alert", "Collapse", "CollapseConfig", "Detector", "Divergence", "DivergenceConfig",
-    "EntropyCollapse", "EntropyConfig", "JudgeDirected", "JudgeDirectedConfig", "LengthConfig",
-    "LengthExploitation", "Monitors", "MonitorsConfig", "Repetition", "RepetitionConfig", "RewardSpike",
-    "RewardSpikeConfig", "SamplerConfig", "SamplerDrift", "SourceInsensitivity", "SourceInsensitivityConfig", "config_tables",
+    "EntropyCollapse", "EntropyConfig", "GuardVeto", "GuardVetoConfig", "JudgeDirected", "JudgeDirectedConfig",
+    "LengthConfig", "LengthExploitation", "Monitors", "MonitorsConfig", "Repetition", "RepetitionConfig",
+    "RewardSpike", "RewardSpikeConfig", "SamplerConfig", "SamplerDrift", "SourceInsensitivity",
+    "SourceInsensitivityConfig", "config_tables",
 ]

@@ -182,6 +182,22 @@ class SamplerConfig(_Detector):
         return self
 
 
+class GuardVetoConfig(_Detector):
+    """Statistic: the most steps in a row that one guard vetoed (nearly) every sample."""
+
+    veto_rate: float = Field(1.0, gt=0, le=1, description="A step counts when a guard's "
+                             "`reward/<guard>/veto_rate` is at least this (1.0: every sample vetoed).")
+    warn_steps: int = Field(3, ge=1, description="Warn after this many such steps in a row: every vetoed "
+                            "reward is the floor, so the run learns nothing.")
+    critical_steps: int = Field(6, ge=1, description="Critical after this many.")
+
+    @model_validator(mode="after")
+    def _steps_order(self):
+        if self.critical_steps < self.warn_steps:
+            raise ValueError(f"critical_steps ({self.critical_steps}) must be >= warn_steps ({self.warn_steps})")
+        return self
+
+
 class MonitorsConfig(Section):
     """The ``[monitors]`` section: reward-hacking detectors run on every training step."""
 
@@ -207,6 +223,8 @@ class MonitorsConfig(Section):
                                                 description="Outputs address the judge or scorer.")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="The sampler's policy version "
                                    "stops advancing, or its logprobs drift from (or copy) the trainer's.")
+    guard_veto: GuardVetoConfig = Field(default_factory=GuardVetoConfig, description="One of the run's own "
+                                        "guards vetoes every sample, step after step: nothing is learned.")
 
 
 def config_tables() -> dict[str, str]:

@@ -21,11 +21,12 @@ from grooves.monitors.config import MonitorsConfig
 from grooves.monitors.outputs import Collapse, JudgeDirected, Repetition, SourceInsensitivity
 from grooves.monitors.sampler import SamplerDrift
 from grooves.monitors.signals import Divergence, EntropyCollapse, LengthExploitation, RewardSpike
+from grooves.monitors.vetoes import GuardVeto
 from grooves.types import Group
 
 DETECTORS: tuple[type[Detector], ...] = (
     Collapse, SourceInsensitivity, RewardSpike, Divergence, LengthExploitation, Repetition, EntropyCollapse,
-    JudgeDirected, SamplerDrift,
+    JudgeDirected, SamplerDrift, GuardVeto,
 )
 """Every shipped detector; each ``name`` is also its ``MonitorsConfig`` field."""
 

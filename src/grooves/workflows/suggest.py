@@ -2,7 +2,7 @@
 
 From the samples a person labelled ``hack`` (``grooves review --label``) this proposes:
 
-- ``exact_output``: the hacks repeat one output word for word; veto exactly that output.
+- ``exact_output``: at least two hacks give one output word for word; veto exactly that output.
 - ``shared_phrase``: the longest word n-gram (3 to 30 words) found in the most hacks; veto
   any output containing it, whatever the case and punctuation between the words.
 - ``lexical_grounding``: the hacks name numbers, names or rare words their source does
@@ -85,13 +85,14 @@ def suggest(store: RunStore, tasks: dict[str, Task] | None = None, source: str |
 
 
 def exact_output(hacks: list[StoredTrajectory]) -> Proposal | None:
-    """Veto the output the hacks repeat most (at least twice, unless only one hack is labelled)."""
+    """Veto the output the hacks repeat most; only when one repeats (in at least two hacks): a guard
+    from a single example is a guess about what the hack is."""
     counts = Counter(" ".join(row.trajectory.completion.split()).casefold() for row in hacks)
     counts.pop("", None)
     if not counts:
         return None
     text, count = min(counts.items(), key=lambda item: (-item[1], item[0]))
-    if count < min(2, len(hacks)):
+    if count < 2:
         return None
     original = next(row.trajectory.completion for row in hacks
                     if " ".join(row.trajectory.completion.split()).casefold() == text)
@@ -126,11 +127,9 @@ def _pattern_proposal(kind: str, name: str, pattern: str, summary: str) -> Propo
     lookahead = f"(?is)(?!.*?{pattern}).*"
     toml = _table(f"vetoes when {summary}", {"kind": "guard", "guard": "format", "name": name, "pattern": lookahead})
     python = (f"from grooves.rewards import InjectionGuard\n"
-              f"InjectionGuard({name!r}, patterns=({_python_string(pattern)},))  # matched case-insensitively")
-    note = ("TOML has no pattern list for guard 'injection' (a pattern key there is ignored), so this is a "
-            "'format' guard whose regex passes only outputs without the pattern; its veto reason reads "
-            "'does not match ...'. In Python, patterns= replaces the default judge-talk patterns: add "
-            "INJECTION_PATTERNS to keep them.")
+              f"InjectionGuard({name!r}, patterns=({_python_string(pattern)},))  # case-insensitive; these "
+              f"patterns replace INJECTION_PATTERNS")
+    note = "its regex passes only outputs without the pattern, so its veto reason reads 'does not match ...'"
     return Proposal(kind, name, summary, toml, python, note)
 
 
