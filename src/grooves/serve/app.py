@@ -100,35 +100,40 @@ def _install_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        record = request.state.record
-        generation, events = await _prepare(server, body)
-        record.update(model=body.model, prompt_tokens=len(generation.prompt_ids))
-        submit(server, generation)
-        served = generation.resolved.served
-        headers = served_headers(served)
-        if body.stream:
-            stream = chat_stream(server, body, generation.prompt_ids, events, record, served)
-            return CancellingStream(stream, generation.cancelled, media_type="text/event-stream", headers=headers)
-        async with watch_client(request.receive, generation.cancelled) as gone:
-            event = None
-            while not isinstance(event, Finished):
-                event = await next_event(server, events, gone)
-                if event is None:
-                    return Response(status_code=CLIENT_GONE)
-                if isinstance(event, Failed):
-                    raise as_api_error(event.error)
-        record["completion_tokens"] = sum(len(o.token_ids) for o in event.outputs)
-        scored = None
-        if body.wants_prompt_logprobs:
-            ids = generation.prompt_ids
-            scored = prompt_logprobs(server.policy.tokenizer, ids,
-                                     await scored_prompt(server, generation.resolved, ids, body.prompt_logprobs))
-        return JSONResponse(completion_body(body, server.policy, generation.prompt_ids, event.outputs,
-                                            event.adapter_step, served, scored), headers=headers)
+        return await _chat(server, body, request)
 
     @app.post("/v1/completions")
     async def legacy_completions(body: CompletionRequest, request: Request):
         return await completions(server, body, request)
+
+
+async def _chat(server: Server, body: ChatCompletionRequest, request: Request) -> Response:
+    """One chat completion: streamed, or whole once done; nothing more is made for a client that left."""
+    record = request.state.record
+    generation, events = await _prepare(server, body)
+    record.update(model=body.model, prompt_tokens=len(generation.prompt_ids))
+    submit(server, generation)
+    served = generation.resolved.served
+    headers = served_headers(served)
+    if body.stream:
+        stream = chat_stream(server, body, generation.prompt_ids, events, record, served)
+        return CancellingStream(stream, generation.cancelled, media_type="text/event-stream", headers=headers)
+    async with watch_client(request.receive, generation.cancelled) as gone:
+        event = None
+        while not isinstance(event, Finished):
+            event = await next_event(server, events, gone)
+            if event is None:
+                return Response(status_code=CLIENT_GONE)
+            if isinstance(event, Failed):
+                raise as_api_error(event.error)
+    record["completion_tokens"] = sum(len(o.token_ids) for o in event.outputs)
+    scored = None
+    if body.wants_prompt_logprobs:
+        ids = generation.prompt_ids
+        scored = prompt_logprobs(server.policy.tokenizer, ids,
+                                 await scored_prompt(server, generation.resolved, ids, body.prompt_logprobs))
+    return JSONResponse(completion_body(body, server.policy, generation.prompt_ids, event.outputs,
+                                        event.adapter_step, served, scored), headers=headers)
 
 
 async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[GenerationRequest, asyncio.Queue]:
