@@ -79,3 +79,30 @@ def test_a_client_that_times_out_stops_a_legacy_completion(server):
     first, later = settled_count(server)
     assert first == later
     assert 0 < later - before < 2 * LONG
+
+
+def test_a_request_whose_client_left_while_it_waited_in_the_queue_is_never_decoded(server):
+    """B queues behind A's batch (one batch runs at a time); both clients give up. A stops at its
+    next token, and B is dropped when its turn comes: no token is made for it."""
+    import threading
+
+    before = health(server)
+
+    def ask(timeout: float) -> None:
+        impatient = openai.OpenAI(base_url=server[1], api_key="unused", max_retries=0, timeout=timeout)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model="tiny", messages=HELLO, max_tokens=LONG,
+                                              extra_body={"ignore_eos": True})
+
+    first = threading.Thread(target=ask, args=(1.0,))
+    first.start()
+    time.sleep(0.3)  # A's batch is running when B arrives
+    ask(0.3)
+    first.join()
+    settled, later = settled_count(server)
+    assert settled == later
+    made = later - before["generated_tokens"]
+    assert 0 < made < LONG  # A's tokens before it stopped, none for B
+    after = health(server)
+    assert after["cancelled_requests"] == before["cancelled_requests"] + 2
+    assert after["batches"] == before["batches"] + 1  # only A's batch ran: B never reached the model
