@@ -228,3 +228,72 @@ def test_conversation_messages_as_the_api_takes_them():
     # an env error that answers no call (a malformed one) cannot be a tool message
     assert _wire({"role": "tool", "name": "error", "content": "error: bad JSON"}) == {
         "role": "user", "content": "error: bad JSON"}
+
+
+def test_eval_to_a_pipe_prints_the_whole_table_and_its_progress(root, tmp_path):
+    config = tmp_path / "eval.toml"
+    config.write_text(f'name = "piped"\nrun = "{RUN}"\nlatency_tasks = 2\n'
+                      f'[[candidates]]\nname = "base"\nmodel = "base"\n'
+                      f'[[candidates]]\nname = "trained"\nmodel = "{RUN}@2"\nprice_in = 0.15\nprice_out = 0.6\n')
+    result = runner.invoke(app, ["eval", str(config), "--runs", str(root), "--out", str(tmp_path / "out")],
+                           env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    table = result.stdout
+    assert "…" not in table
+    header = next(line for line in table.splitlines() if "candidate" in line)
+    for name in ("reward ± s.e.", "short", "vowels", "p50 s", "p95 s", "tok/s", "tokens / 1k tasks", "$ / 1k tasks"):
+        assert name in header
+    for candidate in report["candidates"]:  # every number whole, on the candidate's own line
+        row = next(line for line in table.splitlines() if f" {candidate['name']} " in line)
+        assert f"{candidate['reward']:.3f} ± {candidate['reward_se']:.3f}" in row
+        assert f"{candidate['tokens_per_1k']:,.0f}" in row
+    assert f"{report['candidates'][1]['cost_per_1k']:.4f}" in table
+    # Progress on stderr: each candidate's phases, then answer counts over both candidates:
+    # 4 tasks + 2 timed alone for each local candidate = 12 answers, the last with its ETA.
+    progress = result.stderr.splitlines()
+    for line in ("loading: base: tiny", "answering: base: 4 held-out tasks", "timing: base: 2 tasks, one at a time",
+                 f"loading: trained: {RUN}@2", "answering: trained: 4 held-out tasks"):
+        assert line in progress
+    counts = [line for line in progress if line.startswith("answer ")]
+    assert counts[0].startswith("answer 4/12  candidate base  ") and "eta" not in counts[0]  # no ETA from one step
+    assert counts[-1].startswith("answer 12/12  candidate trained  ") and counts[-1].endswith("eta 0s")
+    quiet = runner.invoke(app, ["eval", str(config), "--runs", str(root), "--out", str(tmp_path / "q"), "--quiet"])
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
+def test_the_chart_texts_never_overlap(tmp_path):
+    """A checkpoint and its merged folder sit on one point, and an endpoint name is long: in the
+    chart no two texts (titles, axis labels, tick labels, candidate names) overlap or leave it."""
+    from grooves.workflows.eval_chart import chart, write_chart
+    from grooves.workflows.evals import Result
+
+    def result(name, reward, cost, p95):
+        return Result(name, name, "local", 16, reward, 0.04, {}, None, 0, p95 / 2, p95, 10.0, 100.0, 20.0, cost)
+
+    results = [result("base", 0.412, 0.0000123, 1.23), result("tiny-run@30", 0.55, 0.0000131, 1.31),
+               result("merged", 0.551, 0.0000129, 1.29), result("priced", 0.3, None, 0.5),
+               result("gpt-4o-mini @ https://api.openai.com/v1", 0.6, 0.0001375, 0.82)]
+    figure = chart(results)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    boxes = []
+    for axes in figure.axes:
+        for axis in (axes.xaxis, axes.yaxis):
+            low, high = sorted(axis.get_view_interval())
+            boxes += [(t.label1.get_text(), t.label1.get_window_extent(renderer)) for t in axis.get_major_ticks()
+                      if low <= t.get_loc() <= high and t.label1.get_visible() and t.label1.get_text()]
+            boxes.append((axis.label.get_text(), axis.label.get_window_extent(renderer)))
+            if axis.get_offset_text().get_text():
+                boxes.append((axis.get_offset_text().get_text(), axis.get_offset_text().get_window_extent(renderer)))
+        boxes.append((axes.title.get_text(), axes.title.get_window_extent(renderer)))
+        boxes += [(t.get_text(), t.get_window_extent(renderer)) for t in axes.texts]
+    legend = [t.get_text() for legend in figure.legends for t in legend.get_texts()]
+    boxes += [(t.get_text(), t.get_window_extent(renderer)) for legend in figure.legends for t in legend.get_texts()]
+    assert legend == [r.name for r in results]  # every candidate named once, in order
+    page = figure.bbox
+    for index, (text, box) in enumerate(boxes):
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, text
+        for other, other_box in boxes[index + 1:]:
+            assert not box.overlaps(other_box), f"{text!r} overlaps {other!r}"
+    assert write_chart(results, tmp_path / "eval.png") and (tmp_path / "eval.png").read_bytes()[:4] == b"\x89PNG"

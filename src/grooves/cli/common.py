@@ -16,14 +16,15 @@ from rich.text import Text
 class Stdout(Console):
     """The commands' stdout. Text (a message, a command to copy) is never hard-wrapped, in a terminal
     or a file: a ``grooves train ...`` split over two lines pastes as two commands. Panels are laid
-    out to the width; a table printed to a file or a pipe is widened as far as its longest words
-    need, so no cell is cut to ``0.…`` (a terminal shows what fits, as a terminal must)."""
+    out to the width. A table printed to a file or a pipe gets its natural width, every cell on one
+    line: a file has no right edge, and Rich squeezing a table into 80 columns cuts numbers to
+    ``0.…`` (a terminal shows what fits, as a terminal must)."""
 
     def print(self, *objects, soft_wrap: bool | None = None, **kwargs) -> None:
         if soft_wrap is None and all(isinstance(o, (str, Text)) for o in objects):
             soft_wrap = True
         tables = [o for o in objects if isinstance(o, Table)] if not self.is_terminal else []
-        wide = max((self._unbroken(table) for table in tables), default=0)
+        wide = max((self._natural(table) for table in tables), default=0)
         if wide <= self.width:
             return super().print(*objects, soft_wrap=soft_wrap, **kwargs)
         pinned, self.width = self._width, wide  # _width None: the width follows $COLUMNS or the terminal
@@ -32,9 +33,9 @@ class Stdout(Console):
         finally:
             self._width = pinned
 
-    def _unbroken(self, table: Table) -> int:
-        """The narrowest width at which every cell's longest word fits (Rich wraps text at words)."""
-        return Measurement.get(self, self.options.update_width(1 << 16), table).minimum
+    def _natural(self, table: Table) -> int:
+        """The width at which no cell wraps."""
+        return Measurement.get(self, self.options.update_width(1 << 16), table).maximum
 
 
 out = Stdout()

@@ -15,6 +15,10 @@ does); endpoint candidates are timed on every task. ``tokens/s`` is completion t
 latency. Tokens per 1,000 tasks are the mean prompt plus completion tokens, times 1,000;
 the cost per 1,000 tasks applies the candidate's prices to them (none given: no cost).
 
+Progress (a ``grooves.progress.Reporter``) counts answers over all candidates, with the time
+left: each local candidate's answers to every task (a batch per task set) and to the tasks it
+answers alone, each endpoint's to every task. ``eval.png`` is drawn by ``eval_chart``.
+
 Env (tool) tasks behind an endpoint run turn by turn through its chat API with the env's tools
 (``_endpoint_rollout``); their tokens are what the endpoint bills, every turn's prompt included.
 """
@@ -26,13 +30,17 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grooves.types import Group, Trajectory
+
+if TYPE_CHECKING:
+    from grooves.progress import Reporter
 
 BASE = "base"
 
@@ -121,20 +129,34 @@ def run_config_of(cfg: EvalConfig, base_dir: Path, runs: str | Path | None):
 
 
 def evaluate_candidates(cfg: EvalConfig, base_dir: Path = Path("."), runs: str | Path | None = None,
-                        progress=None) -> list[Result]:
-    """Every candidate on the same held-out tasks; ``progress(text)`` hears what runs now."""
+                        progress: Reporter | None = None) -> list[Result]:
+    """Every candidate on the same held-out tasks. ``progress`` shows each candidate's phases and
+    counts its answers, with the time left: a local candidate's answers to every task (one batch
+    per task set) and to the ``latency_tasks`` it answers alone, an endpoint's to every task."""
+    from grooves.progress import Reporter
+
+    reporter = progress or Reporter(enabled=False)
     run_config = run_config_of(cfg, base_dir, runs)
     heldout = heldout_tasks(run_config, cfg.limit)
     if not heldout:
         raise EvalError("the config has no held-out tasks (set tasks.heldout or tasks.heldout_fraction)")
+    tasks = sum(len(t) for _, t in heldout)
+    timed = min(cfg.latency_tasks, tasks)
+    total = sum(tasks + (0 if c.endpoint else timed) for c in cfg.candidates)
     results = []
-    for candidate in cfg.candidates:
-        if progress:
-            progress(f"{candidate.name}: {sum(len(t) for _, t in heldout)} tasks")
-        if candidate.endpoint:
-            results.append(_endpoint(candidate, run_config, heldout))
-        else:
-            results.append(_local(candidate, run_config, heldout, cfg.latency_tasks, runs))
+    with reporter.counting(total, unit="answer", every=2.0):
+        answered = [0]
+
+        def tick(name: str, count: int = 1) -> None:
+            answered[0] += count
+            reporter.advance(answered[0], {"candidate": name})
+
+        for candidate in cfg.candidates:
+            if candidate.endpoint:
+                reporter.phase("asking", f"{candidate.name} at {candidate.endpoint}: {tasks} tasks, one at a time")
+                results.append(_endpoint(candidate, run_config, heldout, tick))
+            else:
+                results.append(_local(candidate, run_config, heldout, cfg.latency_tasks, runs, reporter, tick))
     return results
 
 
@@ -169,28 +191,36 @@ def _sampling(run_config):
                     stop=tuple(s.stop), seed=run_config.seed)
 
 
-def _local(candidate: Candidate, run_config, heldout, latency_tasks: int, runs) -> Result:
+def _local(candidate: Candidate, run_config, heldout, latency_tasks: int, runs, reporter: Reporter,
+           tick: Callable[[str, int], None]) -> Result:
     from grooves.policy import Policy
     from grooves.training.gather import rollout_groups
 
     spec = run_config.model.spec if candidate.model == BASE else candidate.model
+    reporter.phase("loading", f"{candidate.name}: {spec}")
     # seed: the random-weight "tiny" base is built from it; real models ignore it.
     policy = Policy.load(spec, dtype=run_config.model.dtype, seed=run_config.seed, runs=runs)
     sampling = _sampling(run_config)
-    groups = heldout_groups(policy, run_config, heldout)
+    groups = []
+    for task_set, tasks in heldout:  # a batch per task set, as the run validates, so the numbers match
+        reporter.phase("answering", f"{candidate.name}: {len(tasks)} held-out tasks")
+        groups += heldout_groups(policy, run_config, [(task_set, tasks)])
+        tick(candidate.name, len(tasks))
     latencies, speeds = [], []
     timed = [(ts, t) for ts, tasks in heldout for t in tasks][:latency_tasks]
+    reporter.phase("timing", f"{candidate.name}: {len(timed)} tasks, one at a time")
     for task_set, task in timed:
         start = time.perf_counter()
         (group,) = rollout_groups(policy, [task], [task_set.render(task)], 1, sampling, None, 0, task_set.env)
         seconds = time.perf_counter() - start
         latencies.append(seconds)
         speeds.append(sum(group.trajectories[0].completion_mask) / seconds)
+        tick(candidate.name, 1)
     tokens = [(len(t.prompt_ids), sum(t.completion_mask)) for g in groups for t in g.trajectories]
     return _result(candidate, "local", groups, latencies, speeds, tokens, any(ts.env for ts, _ in heldout))
 
 
-def _endpoint(candidate: Candidate, run_config, heldout) -> Result:
+def _endpoint(candidate: Candidate, run_config, heldout, tick: Callable[[str, int], None]) -> Result:
     from openai import OpenAI, OpenAIError
 
     key = os.environ.get(candidate.api_key_env, "") if candidate.api_key_env else ""
@@ -213,6 +243,7 @@ def _endpoint(candidate: Candidate, run_config, heldout) -> Result:
             speeds.append(used[1] / seconds)
             tokens.append(used)
             scored.append(Group(task=task, trajectories=[trajectory]))
+            tick(candidate.name, 1)
         task_set.reward.score(scored)
         groups += scored
     return _result(candidate, "endpoint", groups, latencies, speeds, tokens,
@@ -336,32 +367,3 @@ def percentile(values: list[float], q: float) -> float | None:
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def write_chart(results: list[Result], path: Path) -> bool:
-    """Quality vs cost per 1,000 tasks and quality vs p95 latency as a PNG; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ModuleNotFoundError:
-        return False
-    figure, (by_cost, by_latency) = plt.subplots(1, 2, figsize=(10, 4))
-    for axis, attribute, label in ((by_cost, "cost_per_1k", "cost per 1,000 tasks ($)"),
-                                   (by_latency, "latency_p95", "p95 latency (s)")):
-        for index, r in enumerate(results):  # one colour per candidate in both charts
-            x = getattr(r, attribute)
-            if x is None or r.reward is None:  # no price, or every total failed: nothing to place
-                continue
-            axis.errorbar([x], [r.reward], yerr=[r.reward_se or 0], fmt="o", capsize=3, color=f"C{index}")
-            axis.annotate(r.name, (x, r.reward), textcoords="offset points", xytext=(5, 5))
-        axis.set_xlabel(label)
-        axis.set_ylabel("reward (mean ± s.e.)")
-        axis.grid(alpha=0.3)
-    by_cost.set_title("quality vs cost")
-    by_latency.set_title("quality vs p95 latency")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return True
