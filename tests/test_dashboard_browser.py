@@ -179,7 +179,7 @@ def test_runs_list_and_a_run_with_its_curves_and_alerts(page, server, root, tmp_
     hover(page, "reward/total", 3, 0, 4)  # under the chart, what the alert at the cursor's step says
     assert total.locator(".marks-note").inner_text() == "step 3: collapse (warn) 6 of 8 outputs are the same"
     assert "null" not in page.locator("main").inner_text() and "undefined" not in page.locator("main").inner_text()
-    page.mouse.move(0, 0)
+    hover(page, "reward/total", 2, 0, 4)  # every chart's cursor follows: the values of step 2 everywhere
     screenshot(page, "run", tmp_path)
 
 
@@ -196,6 +196,7 @@ def test_two_runs_overlaid_on_one_chart(page, server, root, tmp_path):
     assert shown[f"{OTHER} · train"] == "0.4"
     assert hover(page, "reward/total", 4, 0, 4)[f"{OTHER} · train"] == "–"  # the other run stopped at step 3
     assert page.locator("[data-chart='reward/flat']").count() == 1  # a chart only one of them has is kept
+    hover(page, "reward/total", 2, 0, 4)
     screenshot(page, "overlay", tmp_path)
 
 
@@ -245,6 +246,7 @@ def test_a_paused_run_shows_its_alert_evidence_and_the_resume_command(page, serv
     folder = root / OTHER
     assert page.locator("#resume-command").inner_text() == (
         f"grooves train {folder}/config.toml --resume --out {folder} --ack judge_directed")
+    assert page.locator("#resume-command").evaluate("n => getComputedStyle(n).whiteSpace") == "pre"  # never wrapped
     page.goto(server + f"/#/run/{OTHER}")
     assert "judge_directed" in page.locator("[data-testid=halt]").inner_text()  # the run page says so too
     page.goto(server + f"/#/run/{OTHER}/alert")

@@ -187,12 +187,12 @@ export class Board {
   options(entry, series, width, log, flat) {
     return {
       width, height: HEIGHT, legend: {live: true},
-      cursor: {sync: {key: this.key}, drag: {x: true, y: false}},
+      cursor: {sync: {key: this.key}, drag: {x: true, y: false}, y: false},
       scales: {
-        // Asked for the data's own extent, the axis also spans the alerts; a zoom is taken as is.
+        // Asked for all the points, the axis also spans the alerts; a zoom (fewer points) is taken as is.
         x: {time: false, range: (u, min, max) => {
           const {lo, hi, first, last} = entry.extent;
-          if (min !== first || max !== last) return [min, max];
+          if (min > first || max < last) return [min, max];
           return lo === hi ? [lo - 1, hi + 1] : [lo, hi];
         }},
         y: log ? {distr: 3, log: 10} : {range: yRange},
