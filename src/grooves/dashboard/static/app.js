@@ -8,6 +8,12 @@ import {showCompare, showEvals, showReview, showSample} from "./pages.js";
 let cleanup = []; // what the page on show stops when another is shown (streams, charts)
 let board = null;
 let streams = 0;
+let navigation = 0; // counts routes: a page whose answer comes after the reader left draws nothing
+
+function left() {
+  const mine = navigation;
+  return () => mine !== navigation;
+}
 
 // Follow a server-sent event stream: `event` carries the new data, `end` says nothing more will
 // change (the run stopped), and the browser reconnects by itself if the server restarts.
@@ -63,7 +69,9 @@ async function showRuns() {
         "duration"].map((h) => el("th", {}, h)))), el("tbody", {}, rows))
       : el("p", {}, "No runs under this root yet: grooves train CONFIG writes one."));
   };
+  const gone = left();
   const data = await api("/api/runs");
+  if (gone()) return;
   draw(data);
   main.replaceChildren(el("h1", {}, "Runs"), el("p", {class: "muted"}, data.root),
     el("div", {class: "toolbar"}, overlay), table);
@@ -124,7 +132,6 @@ function runHead(run) {
 async function showRun(name) {
   crumbs([name]);
   const head = el("div", {}), charts = el("div", {class: "charts"}), alerts = el("div", {});
-  board = new Board();
   const draw = (run, first) => {
     // A redraw while the run trains keeps the evidence the reader has open, and the scroll.
     const open = new Set([...alerts.querySelectorAll("details[open][data-key]")].map((d) => d.dataset.key));
@@ -137,7 +144,10 @@ async function showRun(name) {
     else board.update(runSpecs(run));
     window.scrollTo(0, scroll);
   };
+  const gone = left();
   const run = await api(`/api/runs/${enc(name)}`);
+  if (gone()) return;
+  board = new Board();
   main.replaceChildren(head, el("h2", {}, "Curves"), board.controls(), charts, alerts);
   draw(run, true);
   if (run.status === "running") follow(`/api/runs/${enc(name)}/events?since=${enc(run.version)}`, "run", draw);
@@ -194,7 +204,9 @@ function overlaySpecs(runs) {
 async function showCurves(params) {
   const names = params.getAll("run");
   crumbs(["curves of " + names.join(", ")]);
+  const gone = left();
   const runs = await Promise.all(names.map((name) => api(`/api/runs/${enc(name)}`)));
+  if (gone()) return;
   const charts = el("div", {class: "charts"});
   board = new Board();
   main.replaceChildren(el("h1", {}, "Curves of ", names.length, " runs"),
@@ -217,6 +229,7 @@ async function showCurves(params) {
 // --- routing --------------------------------------------------------------------------------------
 
 async function route() {
+  navigation += 1;
   cleanup.forEach((stop) => stop());
   cleanup = [];
   if (board) board.destroy();
