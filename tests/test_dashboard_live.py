@@ -153,3 +153,17 @@ def test_the_chart_library_is_vendored_with_its_licence_and_nothing_is_fetched_e
         assert "http://" not in text and "https://" not in text, path  # no CDN: the page works offline
     icon = client.get("/favicon.ico")
     assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+
+
+def test_every_static_file_is_package_data_so_a_wheel_carries_it():
+    """setuptools' ``package-data`` globs do not descend into folders: the vendored library needs
+    its own line, or an installed (not editable) dashboard has no charts."""
+    import tomllib
+    from fnmatch import fnmatchcase
+
+    project = tomllib.loads((STATIC.parents[3] / "pyproject.toml").read_text())
+    globs = [g.split("/") for g in project["tool"]["setuptools"]["package-data"]["grooves"]]
+    files = [p.relative_to(STATIC.parents[1]).parts for p in STATIC.rglob("*") if p.is_file()]
+    shipped = [f for f in files if any(len(g) == len(f) and all(map(fnmatchcase, f, g)) for g in globs)]
+    assert ("dashboard", "static", "vendor", "uplot", "uPlot.iife.min.js") in files
+    assert sorted(set(files) - set(shipped)) == []
