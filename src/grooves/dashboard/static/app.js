@@ -110,13 +110,18 @@ function haltBanner(run) {
     el("a", {href: `#/run/${enc(run.name)}/alert`}, "the evidence and how to continue"));
 }
 
-function runHead(run) {
-  const steps = run.review_steps.train || [];
+// The other runs, to overlay on this one's charts: asked for once per page, not per update.
+function otherRuns(name) {
   const others = el("select", {id: "overlay-with", onchange: (e) => {
-    if (e.target.value) location.hash = `#/curves?run=${enc(run.name)}&run=${enc(e.target.value)}`;
+    if (e.target.value) location.hash = `#/curves?run=${enc(name)}&run=${enc(e.target.value)}`;
   }}, el("option", {value: ""}, "overlay another run…"));
-  api("/api/runs").then((data) => others.append(...data.runs.filter((r) => r.name !== run.name)
+  api("/api/runs").then((data) => others.append(...data.runs.filter((r) => r.name !== name)
     .map((r) => el("option", {value: r.name}, r.name)))).catch(() => others.remove());
+  return others;
+}
+
+function runHead(run, others) {
+  const steps = run.review_steps.train || [];
   return [el("h1", {}, run.name, " ", statusBadge(run.status)), haltBanner(run),
     el("p", {}, [`step ${run.step ?? "–"}`, run.steps ? ` of ${run.steps}` : "", ` · reward ${fmt(run.reward)}`,
       ` · held-out ${fmt(run.val_reward)} · started ${when(run.started)} · ${duration(run.duration)}`,
@@ -132,11 +137,12 @@ function runHead(run) {
 async function showRun(name) {
   crumbs([name]);
   const head = el("div", {}), charts = el("div", {class: "charts"}), alerts = el("div", {});
+  const others = otherRuns(name);
   const draw = (run, first) => {
     // A redraw while the run trains keeps the evidence the reader has open, and the scroll.
     const open = new Set([...alerts.querySelectorAll("details[open][data-key]")].map((d) => d.dataset.key));
     const scroll = window.scrollY;
-    head.replaceChildren(...runHead(run).filter(Boolean));
+    head.replaceChildren(...runHead(run, others).filter(Boolean));
     alerts.replaceChildren(el("h2", {}, `Alerts (${run.alerts.length})`), alertList(run.alerts));
     alerts.querySelectorAll("details[data-key]").forEach((d) => { d.open = open.has(d.dataset.key); });
     if (!run.charts.length) charts.replaceChildren(el("p", {class: "muted"}, "No metrics yet."));
