@@ -107,6 +107,7 @@ class TrainingSession(AlertHandling):
         self.failed_steps = self.no_signal_steps = 0
         start = self._restore(latest) if latest is not None else 0
         self.sinks = begin(self.store, self.config, start)
+        self.store.metrics_path.touch()  # the run folder is whole from the first line
         self._server = self._http = None
         self.base_url, self.api_key = server_url, api_key or "local"
         if server_url is None:
