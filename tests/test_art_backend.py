@@ -145,3 +145,82 @@ def test_art_options_grooves_would_ignore_are_refused_by_name(tmp_path):
         finally:
             await backend.close()
     asyncio.run(go())
+
+
+def test_multi_turn_episodes_train_up_to_a_break_and_hand_made_choices_are_rendered(tmp_path, monkeypatch):
+    """A cut first turn sent back edited breaks its episode's prefix: trained up to the break and
+    counted, never dropped. A Choice without the server's ids is rendered and counted."""
+    from openai.types.chat.chat_completion import Choice
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    backend = GroovesBackend(runs=tmp_path / "runs", config={"lora": {"rank": 4}})
+
+    async def episode(model, edit: bool):
+        client = model.openai_client()
+        messages = [{"role": "user", "content": "Start."}]
+        first = (await client.chat.completions.create(model=model.name, messages=messages, max_tokens=3,
+                                                      temperature=0)).choices[0]
+        text = first.message.content
+        follow = {"role": "user", "content": "Go on."}
+        sent = [*messages, {"role": "assistant", "content": "(edited) " + text if edit else text}, follow]
+        second = (await client.chat.completions.create(model=model.name, messages=sent, max_tokens=3,
+                                                       temperature=0)).choices[0]
+        return art.Trajectory(messages_and_choices=[*messages, first, follow, second], reward=1.0 if edit else 0.0)
+
+    async def go():
+        model = art.TrainableModel(name="turns", project="p", base_model="tiny")
+        await model.register(backend)
+        whole, broken = await asyncio.gather(episode(model, False), episode(model, True))
+        hand = Choice(index=0, finish_reason="stop", message={"role": "assistant", "content": "Paris"})
+        made = art.Trajectory(messages_and_choices=[{"role": "user", "content": "Capital?"}, hand], reward=0.5)
+        try:
+            result = await backend.train(model, [art.TrajectoryGroup([whole, broken, made])])
+            session = backend.sessions["turns"]
+            eot, paris = session.policy.end_of_turn_id, session.policy.tokenizer.encode("Paris", add_special_tokens=False)
+            return whole, broken, result, session.run_dir, [*paris, eot]
+        finally:
+            await backend.close()
+
+    whole, broken, result, run_dir, paris_ids = asyncio.run(go())
+    assert result.metrics["rollout/prefix_breaks"] == 1.0 and result.metrics["train/retokenized_turns"] == 1.0
+    stored = [t for _, t in RunStore(run_dir).read_trajectories(1)]
+    assert len(stored) == 3
+    first_of_broken = broken.messages_and_choices[1].model_extra["grooves"]["completion_token_ids"]
+    assert stored[1].metadata["prefix_break"] and stored[1].completion_ids == first_of_broken
+    ids = [c.model_extra["grooves"] for c in (whole.messages_and_choices[1], whole.messages_and_choices[3])]
+    assert stored[0].prompt_ids + stored[0].completion_ids == ids[1]["prompt_token_ids"] + ids[1]["completion_token_ids"]
+    assert stored[0].completion_mask.count(1) == len(ids[0]["completion_token_ids"]) + len(ids[1]["completion_token_ids"])
+    assert stored[2].metadata["retokenized"] and stored[2].completion_ids == paris_ids
+
+
+def test_ruler_scores_a_group_through_grooves_serve_with_its_litellm_parameters(tmp_path, monkeypatch, caplog):
+    """RULER's judge is grooves serve's base model, reached through LiteLLM's hosted_vllm provider.
+    The tiny random model cannot judge, so greedy decoding fills RULER's JSON schema until
+    max_tokens; the reply shows the schema was enforced by the server's grammar."""
+    from art.rewards import ruler, ruler_score_group
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    caplog.set_level(logging.INFO, logger="grooves.serve")
+    backend = GroovesBackend(runs=tmp_path / "runs", config={"lora": {"rank": 4}})
+
+    async def go():
+        model = art.TrainableModel(name="judged", project="p", base_model="tiny")
+        await model.register(backend)
+        group = art.TrajectoryGroup([await rollout(model, topic) for topic in TOPICS])
+        params = {"api_base": model.inference_base_url, "api_key": model.inference_api_key, "max_tokens": 40,
+                  "temperature": 0}
+        try:
+            swallowed = await ruler_score_group(group, "hosted_vllm/tiny", extra_litellm_params=params,
+                                                swallow_exceptions=True)
+            with pytest.raises(Exception) as raised:
+                await ruler([t.messages() for t in group.trajectories], "hosted_vllm/tiny",
+                            extra_litellm_params=params)
+            return swallowed, raised.value
+        finally:
+            await backend.close()
+
+    swallowed, error = asyncio.run(go())
+    assert swallowed is None
+    assert '{"scores": [{"trajectory_id": "' in str(error)  # the schema's keys, in its order
+    judged = [r.getMessage() for r in caplog.records if "model=tiny " in r.getMessage()]
+    assert len(judged) == 2 and all("completion_tokens=40 status=200" in line for line in judged)
