@@ -224,3 +224,27 @@ def test_ruler_scores_a_group_through_grooves_serve_with_its_litellm_parameters(
     assert '{"scores": [{"trajectory_id": "' in str(error)  # the schema's keys, in its order
     judged = [r.getMessage() for r in caplog.records if "model=tiny " in r.getMessage()]
     assert len(judged) == 2 and all("completion_tokens=40 status=200" in line for line in judged)
+
+
+def test_model_train_sft_is_one_grooves_step_of_cross_entropy_batches(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    backend = GroovesBackend(runs=tmp_path / "runs", config={"lora": {"rank": 4}})
+    example = art.Trajectory(messages_and_choices=[{"role": "user", "content": "Capital of France?"},
+                                                   {"role": "assistant", "content": "Paris"}])
+
+    async def go():
+        model = art.TrainableModel(name="sft", project="p", base_model="tiny")
+        await model.register(backend)
+        losses = []
+        async for metrics in backend._train_sft(model, [example] * 6, art.TrainSFTConfig(learning_rate=1e-2,
+                                                                                         batch_size=2)):
+            losses.append(metrics["loss/train"])
+        step = await model.get_step()
+        await backend.close()
+        return losses, step
+
+    losses, step = asyncio.run(go())
+    assert step == 1 and len(losses) == 3
+    assert losses[2] < losses[1] < losses[0]  # the same examples each batch: each AdamW step lowers the NLL
+    lines = [json.loads(x) for x in (tmp_path / "runs/sft/metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 1 and lines[0]["loss/sft"] == pytest.approx(sum(losses) / 3)
