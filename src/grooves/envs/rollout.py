@@ -42,6 +42,7 @@ class Turn:
     logprobs: list[float]
     finish_reason: str  # "stop" or "length"
     past: Past | None = None  # the KV of the prompt and this turn's tokens but the last (sampler_generate)
+    prefix_break: bool = False  # the sampler read other prompt ids than the conversation's (an engine)
 
 
 Generate = Callable[[list[list[int]], list[int], list["Past | None"]], list[Turn]]
@@ -60,7 +61,8 @@ def sampler_generate(policy, temperature: float = 1.0, top_p: float = 1.0,
         pasts = pasts if reuse_kv and pasts is not None else [None] * len(prompts)
         rows = [Row(p, temperature, top_p, b, (), generator, past=past, keep_past=reuse_kv)
                 for p, b, past in zip(prompts, budgets, pasts)]
-        return [Turn(o.text, o.token_ids, o.logprobs, o.finish_reason, o.past) for o in sampler.decode_rows(rows)]
+        return [Turn(o.text, o.token_ids, o.logprobs, o.finish_reason, o.past, o.prefix_break)
+                for o in sampler.decode_rows(rows)]
 
     return generate
 
@@ -81,6 +83,10 @@ def advance(policy, env: Env, states: list[State], generate: Generate, turn_toke
     turns = generate([s.tokens.prompt_ids + s.tokens.ids for s in active], budgets, [s.past for s in active])
     answering = []
     for state, turn in zip(active, turns):
+        if turn.prefix_break:
+            state.counters["prefix_breaks"] += 1
+            if state.tokens.break_at is None:  # trained up to here: later turns sampled on another context
+                state.tokens.break_at = len(state.tokens.ids)
         state.tokens.add(turn.token_ids, turn.logprobs, generated=True)
         state.past = turn.past
         if turn.finish_reason == "length":  # close the turn as the template would
@@ -136,7 +142,7 @@ def trajectory(env: Env, state: State, policy_step: int = 0) -> Trajectory:
     scores = {name: float(value) for name, value in env.score(state).items()}
     return Trajectory(
         messages=state.messages, prompt_ids=list(state.tokens.prompt_ids), completion_ids=list(state.tokens.ids),
-        completion_mask=list(state.tokens.mask), logprobs=list(state.tokens.logprobs),
+        completion_mask=list(state.tokens.trained_mask()), logprobs=list(state.tokens.logprobs),
         finish_reason="length" if state.finish == "max_tokens" else "stop",
         metadata={"task_id": state.task.get("id"), "policy_step": policy_step, "env": env.name,
                   "env_scores": scores, "state": {"answer": state.answer, "finish": state.finish,

@@ -28,6 +28,9 @@ class TokenLog:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # Where the sampler first read other prompt ids than these (an engine that re-tokenised): no
+    # token from here on was sampled on this conversation, so none of them is trained.
+    break_at: int | None = None
 
     def add(self, ids: list[int], logprobs: list[float] | None, generated: bool) -> None:
         self.ids += ids
@@ -37,6 +40,10 @@ class TokenLog:
     @property
     def generated(self) -> int:
         return sum(self.mask)
+
+    def trained_mask(self) -> list[int]:
+        """``mask`` with every token from ``break_at`` on left out of training."""
+        return self.mask if self.break_at is None else self.mask[: self.break_at] + [0] * (len(self.mask) - self.break_at)
 
 
 @dataclass

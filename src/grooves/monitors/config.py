@@ -173,6 +173,11 @@ class SamplerConfig(_Detector):
     critical_above: float = Field(20.0, gt=1, description="Critical at this multiple.")
     identical_share: float = Field(1.0, gt=0, le=1, description="Critical when at least this share of tokens "
                                    "has an importance ratio of exactly 1 while train/policy_lag >= 1.")
+    gap_metric: str = Field("rollout/engine_logprob_gap", description="The step metric with an engine's probe "
+                            "gap: mean absolute log-prob difference per token from the trainer's ([sampler]).")
+    gap_warn_above: float = Field(0.05, gt=0, description="Warn when the probe gap is at least this (nats per "
+                                  "token; numerics alone give about 1e-6 on a CPU, a few 1e-3 in bfloat16).")
+    gap_critical_above: float = Field(0.5, gt=0, description="Critical at this gap.")
 
     @model_validator(mode="after")
     def _stall_order(self):

@@ -11,6 +11,9 @@ Three checks, each with its own evidence key:
 - ``identical``: the importance ratio is exactly 1 on (nearly) every token although the policy was
   updated since sampling (``train/policy_lag`` >= 1): the "sampler" logprobs are a copy of the
   trainer's own, so the correction corrects nothing.
+- ``engine``: an inference engine ([sampler]) given a new adapter answers a fixed probe with other
+  log-probs than the trainer's for the same weights (``rollout/engine_logprob_gap``, the mean
+  absolute difference per probe token): it kept old weights, or serves another base.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class SamplerDrift(Detector):
 
     def observe(self, step: int, groups: list[Group], metrics: dict[str, float]) -> list[Alert]:
         self.value = math.nan
-        return self._stall(step, groups, metrics) + self._jump(step, metrics) + self._identical(step, metrics)
+        return (self._stall(step, groups, metrics) + self._jump(step, metrics) + self._identical(step, metrics)
+                + self._engine(step, metrics))
 
     def _stall(self, step: int, groups: list[Group], metrics: dict[str, float]) -> list[Alert]:
         version = metrics.get(self.config.version_metric)
@@ -85,6 +89,18 @@ class SamplerDrift(Detector):
                    f"over the last {len(past)} steps: the sampler's logprobs no longer match the policy being "
                    f"trained (wrong temperature or adapter, or corrupted behaviour logprobs).")
         return self.alert(step, "jump", severity, message, evidence)
+
+    def _engine(self, step: int, metrics: dict[str, float]) -> list[Alert]:
+        gap = metrics.get(self.config.gap_metric)
+        if not finite(gap):
+            return []
+        severity = severity_above(float(gap), self.config.gap_warn_above, self.config.gap_critical_above)
+        evidence = {"metric": self.config.gap_metric, "value": rounded(gap, 6),
+                    "sampled_by": metrics.get("rollout/engine_model", "")}
+        message = (f"The engine answered a probe with log-probs {gap:.3g} nats per token away from the trainer's "
+                   f"for the adapter it was just given: it samples other weights (an adapter it did not reload, "
+                   f"or another base model).")
+        return self.alert(step, "engine", severity, message, evidence, value=float(gap))
 
     def _identical(self, step: int, metrics: dict[str, float]) -> list[Alert]:
         share, lag = metrics.get("train/is_ratio_exact_frac"), metrics.get("train/policy_lag")

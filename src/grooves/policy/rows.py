@@ -61,6 +61,7 @@ class RowOutput:
     finish_reason: str  # "stop" (stop token, stop string or finished constraint), "length" or "abort"
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     past: Past | None = None  # with Row.keep_past: the KV of prompt_ids + token_ids[:-1]
+    prefix_break: bool = False  # an engine sampler read other prompt ids than the row's (grooves.policy.engine)
 
 
 TokenCallback = Callable[[int, int, float], None]  # (row index, token id, logprob) as each token is chosen

@@ -40,7 +40,8 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (stop token or string) or "length"
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # the ids the model read (an engine's own reading of the prompt)
+    prefix_break: bool = False  # an engine read other prompt ids than the ones sent
 
 
 class Sampler:

@@ -196,6 +196,27 @@ class BackendConfig(Section):
     rank: int | None = Field(None, ge=1, description="LoRA rank of the remote adapter (default: lora.rank).")
 
 
+class EngineConfig(Section):
+    """Sample rollouts through an inference engine's OpenAI server (vLLM's API; `grooves serve` too)."""
+
+    url: str = Field(description="The server's base URL, e.g. 'http://127.0.0.1:8000/v1'. It must answer "
+                     "/v1/completions with token-id prompts and vLLM's return_token_ids, and /v1/load_lora_adapter "
+                     "(vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, --enable-lora, --logprobs-mode processed_logprobs).")
+    model: str | None = Field(None, description="The base model's name on the server, for the adapter's "
+                              "metadata (default: model.spec).")
+    api_key_env: str | None = Field(None, description="Environment variable holding the server's API key "
+                                    "(none: no key).")
+    max_concurrency: int = Field(8, ge=1, description="Requests in flight at once.")
+    timeout: float = Field(300.0, gt=0, description="Seconds one request may take.")
+    max_wait: float = Field(300.0, ge=0, description="Seconds a step retries a server that is down before the "
+                            "run stops with an error (nothing is trained twice: a step trains only once "
+                            "all its samples are in).")
+    adapters: str | None = Field(None, description="Folder where each version's adapter (a PEFT folder) is "
+                                 "written for the server to load, as `RUN@STEP`; the server must read it at the "
+                                 "same path (default: RUN/engine-adapters).")
+    keep: int = Field(3, ge=1, description="Adapter versions kept loaded on the server (older ones are unloaded).")
+
+
 class RunConfig(Section):
     """Everything one training run needs; `grooves train CONFIG.toml` reads this."""
 
@@ -222,6 +243,9 @@ class RunConfig(Section):
                                           "([backend]); rewards, judges and monitors stay local.")
     ray: RayConfig | None = Field(None, description="Sample on Ray workers ([ray]; or `grooves train --ray`); "
                                   "None = in this process.")
+    sampler: EngineConfig | None = Field(None, description="Sample rollouts (training and held-out) through an "
+                                         "inference engine ([sampler] url = ...); the trainer stays here and "
+                                         "loads each new adapter into the engine. None = the trainer's own decoder.")
 
     @field_validator("name")
     @classmethod
@@ -237,10 +261,27 @@ class RunConfig(Section):
         names = [m.name for m in self.mix]
         if len(set(names)) != len(names):
             raise ValueError(f"[[mix]] names must be unique: {names}")
+        if self.sampler is not None:
+            self._check_engine()
         if self.backend is not None and self.train.async_sampler == "process":
             raise ValueError("train.async_sampler = 'process' loads the model in a child process, but with "
                              "[backend] the service samples: leave it at 'thread'")
         return self
+
+    def _check_engine(self) -> None:
+        if self.backend is not None or self.ray is not None:
+            raise ValueError("[sampler] samples through an engine: leave out [backend] and [ray]")
+        if self.train.async_sampler == "process":
+            raise ValueError("train.async_sampler = 'process': with [sampler] the engine samples; leave it at "
+                             "'thread'")
+        if self.sampler.keep < self.train.max_off_policy_steps + 1:
+            raise ValueError(f"sampler.keep = {self.sampler.keep}: the async pipeline samples versions up to "
+                             f"train.max_off_policy_steps = {self.train.max_off_policy_steps} behind, so keep at "
+                             f"least {self.train.max_off_policy_steps + 1} loaded")
+        if self.sampling.top_p < 1:
+            raise ValueError(f"sampling.top_p = {self.sampling.top_p}: an engine reports each token's logprob "
+                             "under the full distribution, not the top-p truncation it sampled from, so the "
+                             "importance ratio would be wrong; set top_p = 1 with [sampler]")
 
     @field_validator("algorithm", mode="before")
     @classmethod

@@ -39,7 +39,8 @@ def rollout_groups(policy: Policy, tasks: list[Task], prompts: list[list[Message
                 prompt_ids=c.prompt_ids, completion_ids=c.token_ids,
                 completion_mask=[1] * len(c.token_ids), logprobs=c.logprobs,
                 finish_reason=c.finish_reason,
-                metadata={"task_id": task["id"], "policy_step": policy_step}, policy_version=policy_step,
+                metadata={"task_id": task["id"], "policy_step": policy_step,
+                          **({"prefix_break": True} if c.prefix_break else {})}, policy_version=policy_step,
             )
             for c in samples
         ]

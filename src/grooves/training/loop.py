@@ -34,6 +34,7 @@ from grooves.progress import Reporter, duration
 from grooves.rewards.compose import RewardReport
 from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
+from grooves.training.pipeline.engine import EngineRollouts
 from grooves.training.pipeline.process import ProcessRollouts
 from grooves.training.pipeline.ray_workers import RayRollouts
 from grooves.training.pipeline.local import (AsyncPipeline, Batch, LocalRollouts, SyncPipeline, drop_after,
@@ -80,7 +81,7 @@ class TrainingRun(AlertHandling):
                                use_sampler_logprobs=config.train.use_sampler_logprobs,
                                share_prompt=config.train.share_prompt, kl_every=config.log.kl_every,
                                max_staleness=drop_after(config.train), minibatches=config.train.minibatches,
-                               world=self.world)
+                               world=self.world, remote_sampler=config.sampler is not None)
         self.monitors = Monitors(config.monitors)
         self.acknowledged = set(acknowledge)  # detectors whose alerts only warn from now on
         self.stop_rule = stop_rule
@@ -149,7 +150,10 @@ class TrainingRun(AlertHandling):
         """Sync or async, in this process or on Ray workers (see grooves.training.pipeline.local)."""
         k = self.config.train.max_off_policy_steps
         group_size = self.config.train.group_size
-        if self.config.ray is not None:
+        if self.config.sampler is not None:
+            rollouts = EngineRollouts(self.config.sampler, self.policy, self.sets, group_size, self.sampling,
+                                      self.generator, self.run_dir, version=lambda: self.trainer.step)
+        elif self.config.ray is not None:
             rollouts = RayRollouts(self.config, self.policy, self.sets, group_size, self.sampling, self.config.ray)
         elif k > 0 and self.config.train.async_sampler == "process":
             rollouts = ProcessRollouts(self.config, self.policy, self.sets, group_size, self.sampling,
@@ -190,11 +194,14 @@ class TrainingRun(AlertHandling):
         metrics["train/tokens_per_s"] = tokens / sample_time
         metrics["train/wait_time"] = time.perf_counter() - t0  # sampling the update waited for
         metrics.update(staleness_metrics(sampled, self.trainer.step))
+        metrics["rollout/prefix_breaks"] = float(sum(_prefix_breaks(t) for g in sampled for t in g.trajectories))
         self.progress.phase("updating", log=False)
         if self.world is not None:
             ddp.broadcast(kept)
         metrics.update(self.trainer.train_step(kept))
         self.pipeline.publish(self.trainer.step)
+        if isinstance(self.rollouts, EngineRollouts):
+            metrics["rollout/engine_logprob_gap"] = self.rollouts.gap  # the version just published
         metrics["rollout/dropped_stale"] = metrics.get("train/trajectories_stale", 0.0)
         if hasattr(self.rollouts, "replaced"):
             metrics["rollout/workers_replaced"] = float(self.rollouts.replaced)
@@ -278,11 +285,13 @@ class TrainingRun(AlertHandling):
     def _validate(self, step: int) -> dict[str, float]:
         self.progress.phase("validating", f"{sum(map(len, self.heldout.values()))} held-out tasks (step {step})")
         groups, reports = [], {}
+        # an engine samples held-out tasks too, from the newest version it was given
+        policy = self.rollouts.latest() if isinstance(self.rollouts, EngineRollouts) else self.policy
         for task_set in self.sets:
             tasks = self.heldout[task_set.name]
             if tasks:
                 with self._sampling_lock:
-                    evaluation = evaluate(self.policy, tasks, [task_set.render(t) for t in tasks],
+                    evaluation = evaluate(policy, tasks, [task_set.render(t) for t in tasks],
                                           task_set.reward, self.val_sampling, step, task_set.env,
                                           self._round_reporter(task_set.name))
                 for group in evaluation.groups:
@@ -365,6 +374,12 @@ class TrainingRun(AlertHandling):
 StopRule = Callable[[int, dict[str, float], dict[int, Evaluation]], "str | None"]
 """``rule(step, metrics, evaluations) -> reason`` ends a run early (e.g. a probe whose held-out
 reward has clearly risen); None lets it go on."""
+
+
+def _prefix_breaks(trajectory) -> int:
+    """Turns whose prompt the sampler read otherwise than sent (grooves.policy.engine)."""
+    state = trajectory.metadata.get("state") or {}
+    return int(trajectory.metadata.get("prefix_break", False)) + state.get("counters", {}).get("prefix_breaks", 0)
 
 
 def _rewards(group: Group) -> torch.Tensor:
