@@ -144,3 +144,18 @@ def test_the_demo_report_names_its_run_and_the_sample_command_on_one_line(tmp_pa
     assert result.exit_code == 0, result.output
     line = f'run folder: {runs / "tiny-run"}; try: grooves sample tiny-run@latest "..."'
     assert line in result.output.splitlines()
+
+
+def test_a_paused_probe_prints_its_commands_on_one_line_each(tmp_path):
+    """The resume command of a paused run is never wrapped, whatever the width (issue 29 item 1)."""
+    from test_alert_policy import planted_config
+
+    folder = tmp_path / ("a-folder-name-long-enough-to-pass-eighty-columns-" * 2)
+    folder.mkdir()
+    config = planted_config(folder, steps=6, policy="warn")
+    runs = tmp_path / "runs"
+    result = CliRunner().invoke(app, ["probe", str(config), "--runs", str(runs)])
+    assert result.exit_code == 3, result.output
+    lines = result.output.splitlines()
+    assert "Read the samples: grooves review tiny-run-probe@1" in lines
+    assert f"Continue, accepting this alert: grooves probe {config} --resume --runs {runs} --ack judge_directed" in lines

@@ -71,10 +71,12 @@ class AlertHandling:
         action, reason = self._halt
         if action == "pause":
             detector = reason.split(":", 1)[0]
-            self.console.print(Panel(Text(f"Paused after step {step} (checkpoint saved): {reason}\n\n"
-                                          f"Read the samples: grooves review {self.run_dir.name}@{step}\n"
-                                          f"Continue, accepting this alert: {self.resume_command} "
-                                          f"--ack {detector}"), title="paused by an alert", border_style="yellow"))
+            self.console.print(Panel(Text(f"Paused after step {step} (checkpoint saved): {reason}"),
+                                     title="paused by an alert", border_style="yellow"))
+            # The commands to copy go under the panel, one line each: a panel wraps text at its edge.
+            for line in (f"Read the samples: grooves review {self.run_dir.name}@{step}",
+                         f"Continue, accepting this alert: {self.resume_command} --ack {detector}"):
+                self.console.print(line, markup=False, highlight=False, soft_wrap=True)
         elif action == "failed":
             self.console.print(f"[bold red]run failed[/] after step {step} (checkpoint saved): {escape(reason)}")
         else:
