@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from grooves.policy.checkpoints import resolve_checkpoint
 from grooves.runs.store import RunStore
+from grooves.serve.capture import CaptureError, merge_turns
 from grooves.training.runfolder import RunExistsError
 from grooves.training.session import TrainingSession, gather_groups
 from grooves.types import Group
@@ -127,23 +128,23 @@ def test_steps_without_reward_variance_are_printed_and_three_in_a_row_raise_an_a
 
 
 def test_a_turn_cut_at_max_tokens_never_costs_its_siblings(tmp_path):
-    """Part 3: an episode whose second prompt does not extend its first turn (the agent sends the
-    cut reply back edited) is trained up to the break and counted; its sibling trains whole."""
+    """Part 3: a first turn cut at max_tokens in the middle of a character (the tiny model's byte
+    tokens) comes back as text the template re-tokenises differently, so the second prompt does not
+    extend it: that episode is trained up to the break and counted; its sibling trains whole."""
     s, _ = session(tmp_path)
     client = s.async_client(max_retries=0)
 
-    async def episode(edit: bool):
+    async def episode(**sampling):
         recorder = s.async_recorder(client)
         messages = [{"role": "user", "content": "Start."}]
-        first = await recorder.create(model=s.model_name, messages=messages, max_tokens=3, temperature=0)
-        text = first.choices[0].message.content
-        messages += [{"role": "assistant", "content": "(edited) " + text if edit else text},
+        first = await recorder.create(model=s.model_name, messages=messages, max_tokens=3, **sampling)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "Go on."}]
-        await recorder.create(model=s.model_name, messages=messages, max_tokens=3, temperature=0)
+        await recorder.create(model=s.model_name, messages=messages, max_tokens=3, **sampling)
         return recorder, recorder.episode()
 
     async def go():
-        return await asyncio.gather(episode(False), episode(True))
+        return await asyncio.gather(episode(temperature=0), episode(seed=0))
 
     try:
         (whole_rec, whole), (cut_rec, cut) = asyncio.run(go())
@@ -151,10 +152,13 @@ def test_a_turn_cut_at_max_tokens_never_costs_its_siblings(tmp_path):
         metrics = s.train([Group({"id": "start"}, [whole, cut])])
     finally:
         s.close()
-    turn1 = cut_rec.calls[0].trajectories()[0]
-    assert turn1.finish_reason == "length"
+    turn1, turn2 = (call.trajectories()[0] for call in cut_rec.calls)
+    assert turn1.finish_reason == "length" and "\ufffd" in turn1.messages[-1]["content"]  # cut mid-character
+    with pytest.raises(CaptureError, match="turn 2's prompt does not extend"):
+        merge_turns([turn1, turn2])  # what the strict merge says, and what used to sink the group
     assert cut.metadata["prefix_break"] and cut.metadata["turns"] == 1 and cut.metadata["turns_sampled"] == 2
-    assert cut.metadata["prefix_break_at"]["turn"] == 2
+    broke = cut.metadata["prefix_break_at"]
+    assert broke["turn"] == 2 and broke["expected"] != broke["got"]
     assert cut.completion_ids == turn1.completion_ids and cut.completion_mask == [1, 1, 1]
     assert whole.metadata["turns"] == 2 and "prefix_break" not in whole.metadata
     assert metrics["rollout/prefix_breaks"] == 1.0 and "train/skipped" not in metrics
