@@ -36,10 +36,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(runs, port: int) -> subprocess.Popen:
+def start_server(runs, port: int, *extra: str) -> subprocess.Popen:
     """``grooves serve`` on the tiny model in its own process, answering once the model is loaded."""
     proc = subprocess.Popen([sys.executable, "-c", "from grooves.cli import main; main()", "serve", "--model", "tiny",
-                             "--port", str(port), "--runs", str(runs)], stderr=subprocess.PIPE, text=True,
+                             "--port", str(port), "--runs", str(runs), *extra], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
@@ -228,6 +228,22 @@ def test_a_run_through_the_engine_trains_publishes_and_records_each_version(serv
     assert sorted(p.name for p in (runs / "engine-a").iterdir()) == ["step-000001", "step-000002"]  # keep = 2
     names = {m["id"] for m in httpx.get(url + "/models").json()["data"]}
     assert {"tiny-run@1", "tiny-run@2"} <= names and "tiny-run@0" not in names
+
+
+def test_an_engine_folder_outside_the_runs_root_loads_when_named_with_lora_root(tmp_path):
+    runs, allowed, port = tmp_path / "runs", tmp_path / "engine-adapters", free_port()
+    runs.mkdir()
+    proc = start_server(runs, port, "--lora-root", str(allowed))
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        run, _ = engine_run(tmp_path / "train", url, steps=1, adapters=str(allowed))
+        assert run.step == 1 and (allowed / "step-000001").is_dir()
+        policy = Policy.load("tiny", lora=LoRA(rank=4), seed=0)
+        policy.save_adapter(runs / "inside")  # the runs root is no longer allowed once roots are named
+        refused = httpx.post(url + "/load_lora_adapter", json={"lora_name": "x", "lora_path": str(runs / "inside")})
+        assert refused.status_code == 403
+    finally:
+        stop_server(proc)
 
 
 def test_a_killed_server_is_waited_for_and_the_run_goes_on(tmp_path):

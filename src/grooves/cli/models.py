@@ -103,6 +103,8 @@ def serve(
     max_adapters: Annotated[int, typer.Option(min=1, help="Adapters kept loaded at once.")] = 8,
     max_body_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body accepted (413 beyond).")]
     = 1 << 20,
+    lora_root: Annotated[list[Path] | None, typer.Option(help="A folder POST /v1/load_lora_adapter may load "
+                                                         "adapters from (repeatable; default: the runs root).")] = None,
     runs: RunsOption = None,
 ) -> None:
     """Serve the base model and the runs' checkpoints over an OpenAI-compatible HTTP API."""
@@ -123,7 +125,8 @@ def serve(
         raise _fail(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
     try:
         server = build_server(model, runs=runs, api_key=api_key, aliases=aliases, max_batch_rows=max_batch,
-                              max_queue=max_queue, max_loaded=max_adapters, max_body_bytes=max_body_bytes)
+                              max_queue=max_queue, max_loaded=max_adapters, max_body_bytes=max_body_bytes,
+                              lora_roots=lora_root or None)
     except (*_user_errors(), UnknownModel, ValueError) as error:
         sock.close()
         raise _fail(str(error)) from None
