@@ -93,8 +93,20 @@ class TrainingSession(AlertHandling):
         self.acknowledged: set[str] = set()
         self.stop_rule, self.evaluations, self._halt = None, {}, None
         self._reported_errors: set[tuple[str, str]] = set()
+        self._server = self._http = None
+        self.base_url, self.api_key = server_url, api_key or "local"
         self._lock = RunLock(self.run_dir)
         self._lock.__enter__()
+        try:
+            self._open(resume, runs, api_key, token_ids_by_default)
+        except BaseException:
+            self._stop_server()
+            self._lock.__exit__(None, None, None)
+            raise
+
+    def _open(self, resume: bool, runs: str | Path | None, api_key: str | None, token_ids_by_default: bool) -> None:
+        """Check the folder, load the model and the trainer (from the newest checkpoint on resume),
+        write the config and checkpoint 0 of a new run, and start serving."""
         latest = resume_point(self.run_dir, resume, self.resume_command, self.console)
         self.store = RunStore(self.run_dir)
         self.policy = load_policy(self.config, runs)
@@ -108,9 +120,7 @@ class TrainingSession(AlertHandling):
         start = self._restore(latest) if latest is not None else 0
         self.sinks = begin(self.store, self.config, start)
         self.store.metrics_path.touch()  # the run folder is whole from the first line
-        self._server = self._http = None
-        self.base_url, self.api_key = server_url, api_key or "local"
-        if server_url is None:
+        if self.base_url is None:
             self._serve(api_key, token_ids_by_default)
         if latest is None:
             self._on_model(lambda: self._save(0))
@@ -276,13 +286,17 @@ class TrainingSession(AlertHandling):
 
     def close(self) -> None:
         """Stop the in-process server and close the run folder (the checkpoints stay)."""
-        if self._http is not None:
-            self._http.__exit__(None, None, None)
-            self._server.engine.stop()
-            self._http = None
+        self._stop_server()
         self.sinks.close()
         self.store.close()
         self._lock.__exit__(None, None, None)
+
+    def _stop_server(self) -> None:
+        if self._http is not None:
+            self._http.__exit__(None, None, None)
+            self._http = None
+        if self._server is not None:
+            self._server.engine.stop()
 
     def __enter__(self) -> TrainingSession:
         return self
