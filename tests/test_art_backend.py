@@ -24,7 +24,11 @@ from safetensors.torch import load_file
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of LiteLLM's price list
 art = pytest.importorskip("art")
 
-from grooves.backend.art import GroovesBackend  # noqa: E402
+from grooves.backend.art import GroovesBackend, restore_transformers  # noqa: E402
+
+# `import art` patches transformers for the whole process (docs/art.md); collecting this module
+# must not break the tests collected with it, so the patch is undone at once.
+restore_transformers()
 from grooves.runs.store import RunStore  # noqa: E402
 
 TOPICS = ("fruit", "tree")

@@ -54,7 +54,7 @@ class GroovesBackend:
         """``runs``: the runs root (default ``$GROOVES_RUNS`` or ``./runs``); ``config``: a dict shaped
         like a run's TOML (lora, optim, monitors, alerts, sampling.temperature ...) for every model;
         ``algorithm``: a grooves preset (default: the config's, GRPO)."""
-        _restore_transformers()
+        restore_transformers()
         self.runs = runs_root(runs)
         self.config = config or {}
         self.algorithm = algorithm
@@ -67,7 +67,7 @@ class GroovesBackend:
         """Open (or resume) the model's run folder and serve it; a prompted model needs nothing."""
         if not getattr(model, "trainable", False) or model.name in self.sessions:
             return
-        _restore_transformers()
+        restore_transformers()
         resume = bool(list_checkpoints(self.runs / model.name))
         session = TrainingSession(model.name, model.base_model, config=self.config, algorithm=self.algorithm,
                                   runs=self.runs, resume=resume, api_key=self.api_key, token_ids_by_default=True)
@@ -158,7 +158,7 @@ class GroovesBackend:
         return session
 
 
-def _restore_transformers() -> None:
+def restore_transformers() -> None:
     """``import art`` (0.5.18) replaces transformers' ``masking_utils._preprocess_mask_arguments``
     with a wrapper written for an older transformers (it takes ``cache_position``, which
     transformers 5 no longer passes), so every forward pass in the process fails. The wrapper
