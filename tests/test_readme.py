@@ -11,6 +11,9 @@ README = (ROOT / "README.md").read_text()
 EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
 
+IMPORT_NAMES = {"openpipe-art": "art"}  # distributions whose import name is not their own
+
+
 def section(title: str) -> str:
     return README.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
 
@@ -42,7 +45,7 @@ def test_each_extra_is_used_where_the_readme_says_and_nowhere_it_says_not():
     rows = extras_table()
     for _, packages, used_by in rows:
         for package in packages:
-            module = package.replace("-", "_")
+            module = IMPORT_NAMES.get(package, package.replace("-", "_"))
             if used_by.startswith("nothing"):
                 assert not [p for p in sources if imports(p, module)], package
             else:
