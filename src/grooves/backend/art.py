@@ -215,8 +215,8 @@ def to_trajectory(session: TrainingSession, art_trajectory) -> tuple[Trajectory 
     turns, rendered = [], 0
     tools = art_trajectory.tools
     for item in art_trajectory.messages_and_choices:
-        if not isinstance(item, Choice):
-            messages.append(dict(item))
+        if not isinstance(item, Choice):  # a message dict (or an openai message object the agent kept)
+            messages.append(item.model_dump(exclude_none=True) if hasattr(item, "model_dump") else dict(item))
             continue
         message = item.message.model_dump(exclude_none=True)
         turn = _choice_turn(messages, message, item)
