@@ -185,3 +185,26 @@ def test_a_running_grooves_serve_can_be_the_sampler(tmp_path):
             s.close()
             served.engine.stop()
     assert isinstance(client, openai.OpenAI) and reply.system_fingerprint == "loop@1"
+
+
+def test_an_older_step_served_between_updates_stays_out_of_later_checkpoints(tmp_path):
+    s, _ = session(tmp_path)
+
+    def step() -> None:
+        recorder = s.recorder()
+        recorder.create(model=s.model_name, n=2, max_tokens=3, messages=[{"role": "user", "content": "Go."}])
+        group = recorder.group({"id": "go"})
+        group.trajectories[0].reward, group.trajectories[1].reward = 1.0, 0.0
+        s.train([group])
+
+    try:
+        step()
+        old = s.client(max_retries=0).chat.completions.create(model="loop@0", max_tokens=2,
+                                                              messages=[{"role": "user", "content": "Hi"}])
+        step()
+    finally:
+        s.close()
+    assert old.system_fingerprint == "loop@0"  # loaded from its checkpoint beside the live adapter
+    folder = s.run_dir / "checkpoints/step-0002/adapter"
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "adapter_config.json",
+                                                         "adapter_model.safetensors"]

@@ -73,6 +73,12 @@ class LiveRegistry(AdapterRegistry):
             return self.live_adapter
         return super().acquire(resolved, in_use)
 
+    def unload_others(self) -> None:
+        """Unload the adapters loaded from disk (they load again on demand): a checkpoint saves every
+        adapter the model holds, and should hold only the trainer's."""
+        for key in list(self._loaded):
+            self._unload(self._loaded.pop(key))
+
 
 class TrainingSession(AlertHandling):
     def __init__(self, name: str, model: str | None = None, *, config: RunConfig | dict | None = None,
@@ -275,6 +281,8 @@ class TrainingSession(AlertHandling):
         return state["step"]
 
     def _save(self, step: int) -> None:
+        if self._server is not None:
+            self._server.registry.unload_others()
         generator = torch.Generator(device=self.policy.device)
         ckpt.save_checkpoint(self.run_dir, step, self.policy, self.trainer.state_dict(), generator,
                              {"tasks": {"draws": 0, "streams": []}, "run": self.name,
