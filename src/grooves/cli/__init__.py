@@ -25,7 +25,7 @@ app = typer.Typer(
 
 
 def _register_groups() -> None:
-    from grooves.cli import backend, base, dashboard, drift, envs, evals, review, rewards, rm, sft
+    from grooves.cli import backend, base, dashboard, drift, envs, evals, learn, review, rewards, rm, sft
 
     app.command()(train.train)
     app.command()(train.probe)
@@ -46,6 +46,7 @@ def _register_groups() -> None:
     drift.register(app)
     dashboard.register(app)
     evals.register(app)
+    learn.register(app)
     plain_help(app)
 
 

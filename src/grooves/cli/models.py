@@ -105,6 +105,13 @@ def serve(
     = 1 << 20,
     lora_root: Annotated[list[Path] | None, typer.Option(help="A folder POST /v1/load_lora_adapter may load "
                                                          "adapters from (repeatable; default: the runs root).")] = None,
+    capture: Annotated[Path | None, typer.Option(help="Record every non-streamed chat completion (messages, "
+                                                 "prompt and completion token ids) in DIR/capture.sqlite for "
+                                                 "grooves learn. Off by default: prompts are user data.")] = None,
+    capture_max_mb: Annotated[float, typer.Option(min=0.0625, help="Largest size of the capture store; the "
+                                                  "oldest rows go first.")] = 256.0,
+    capture_retention_days: Annotated[float, typer.Option(min=0.0001, help="Captured rows older than this are "
+                                                          "deleted.")] = 30.0,
     runs: RunsOption = None,
 ) -> None:
     """Serve the base model and the runs' checkpoints over an OpenAI-compatible HTTP API."""
@@ -124,9 +131,15 @@ def serve(
     except OSError as error:
         raise _fail(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
     try:
+        store = None
+        if capture is not None:
+            from grooves.serve.capture_store import CaptureStore
+
+            store = CaptureStore(capture, max_bytes=int(capture_max_mb * (1 << 20)),
+                                 retention_s=capture_retention_days * 86400.0)
         server = build_server(model, runs=runs, api_key=api_key, aliases=aliases, max_batch_rows=max_batch,
                               max_queue=max_queue, max_loaded=max_adapters, max_body_bytes=max_body_bytes,
-                              lora_roots=lora_root or None)
+                              lora_roots=lora_root or None, capture=store)
     except (*_user_errors(), UnknownModel, ValueError) as error:
         sock.close()
         raise _fail(str(error)) from None
@@ -138,6 +151,8 @@ def serve(
     bound_host, bound_port = sock.getsockname()[:2]
     err.print(f"[bold]grooves[/]: serving {model} and the checkpoints under {server.registry.runs} "
               f"on http://{bound_host}:{bound_port}/v1", highlight=False)
+    if store is not None:
+        err.print(f"capturing chat completions into {store.path}", highlight=False)
     serve_forever(server, sock)
 
 

@@ -132,8 +132,20 @@ async def _chat(server: Server, body: ChatCompletionRequest, request: Request) -
         ids = generation.prompt_ids
         scored = prompt_logprobs(server.policy.tokenizer, ids,
                                  await scored_prompt(server, generation.resolved, ids, body.prompt_logprobs))
+    if server.capture is not None:  # opt-in (--capture): the request's text goes to the capture store only
+        await run_in_threadpool(_capture, server, body, generation.prompt_ids, event.outputs, served)
     return JSONResponse(completion_body(body, server.policy, generation.prompt_ids, event.outputs,
                                         event.adapter_step, served, scored), headers=headers)
+
+
+def _capture(server: Server, body: ChatCompletionRequest, prompt_ids: list[int], outputs, served: str) -> None:
+    """Record a served completion; a capture that fails is logged and never costs the reply."""
+    try:
+        server.capture.record(body.model, served, body.message_dicts, body.tool_schemas, prompt_ids,
+                              [{"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason}
+                               for o in outputs])
+    except Exception as error:  # noqa: BLE001 - a full disk must not fail the user's request
+        log.error("capture failed: %s", type(error).__name__)
 
 
 async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[GenerationRequest, asyncio.Queue]:
@@ -192,15 +204,16 @@ def _compiled(server: Server, param: str, make) -> None:
 def build_server(model: str, runs=None, api_key: str | None = None, aliases: dict[str, str] | None = None,
                  device: str = "cpu", max_batch_rows: int = 32, max_queue: int = 64, max_loaded: int = 8,
                  batch_window_s: float = 0.005, max_body_bytes: int = MAX_BODY_BYTES,
-                 lora_roots: list | None = None) -> Server:
-    """``lora_roots``: the folders ``load_lora_adapter`` may load from (default: the runs root)."""
+                 lora_roots: list | None = None, capture=None) -> Server:
+    """``lora_roots``: the folders ``load_lora_adapter`` may load from (default: the runs root);
+    ``capture``: a ``CaptureStore`` that records every non-streamed chat completion (opt-in)."""
     from grooves.policy import Policy
 
     policy = Policy.load(model, device=device)
     registry = AdapterRegistry(policy, runs, aliases, max_loaded=max_loaded, lora_roots=lora_roots)
     engine = Engine(policy, registry, max_batch_rows=max_batch_rows, max_queue=max_queue,
                     batch_window_s=batch_window_s).start()
-    return Server(policy, registry, engine, api_key=api_key, max_body_bytes=max_body_bytes)
+    return Server(policy, registry, engine, api_key=api_key, max_body_bytes=max_body_bytes, capture=capture)
 
 
 GRACE_S = 5  # on shutdown, open connections get this long before they are closed

@@ -32,6 +32,7 @@ class Server:
     api_key: str | None = None
     default_max_tokens: int = 256
     max_body_bytes: int = MAX_BODY_BYTES
+    capture: Any = None  # a CaptureStore (serve --capture): completions recorded for grooves learn
     _grammars: Grammars | None = field(default=None, repr=False)
 
     @property
