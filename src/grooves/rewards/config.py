@@ -56,6 +56,17 @@ class _JudgeBase(_Component):
     input: str | None = Field(None, description="What the judge sees as the input: a task column, a format "
                               "string over the columns, or (default) the task's user message.")
     max_reason_chars: int = Field(240, ge=8, description="Longest reason the judge may write.")
+    conversation: bool = Field(False, description="Show the judge each trajectory's whole conversation (every "
+                               "turn after the first user turn, tool calls and tool results included) instead "
+                               "of its last reply, cut to max_chars by the rule in docs/rewards.md.")
+    max_chars: int | None = Field(None, ge=80, description="With conversation = true: the conversation's budget "
+                                  "in characters (default 8000); older turns past it are left out, marked.")
+
+    @model_validator(mode="after")
+    def _conversation_only(self) -> _JudgeBase:
+        if self.max_chars is not None and not self.conversation:
+            raise ValueError("max_chars is only for conversation = true")
+        return self
 
 
 class JudgeConfig(_JudgeBase):
@@ -192,6 +203,8 @@ def _build(c, endpoints: dict, cache, base: Path | None):
     common = {"weight": c.weight, "required": c.required}
     judge = {"input": getattr(c, "input", None), "cache": cache,
              "max_reason_chars": getattr(c, "max_reason_chars", 240), **common}
+    if getattr(c, "conversation", False):
+        judge.update(conversation=True, max_chars=c.max_chars or 8000)
     if c.kind == "verifier":
         fn = import_object(c.function)
         return Component(c.name or fn.__name__, fn, **common)

@@ -18,6 +18,10 @@ NaN for that trajectory, never 0.
 ``{input}`` in the prompts is the task's user message (the last user turn before the
 completion) unless ``input`` names a task column or a format string over the columns.
 
+With ``conversation=True`` a judge is shown each trajectory's whole conversation instead of
+its last reply: every turn after the first user turn (which becomes the input), tool calls
+and tool results included, cut to ``max_chars`` by the rule in ``grooves.rewards.transcript``.
+
 Untrusted text (the input and every output) is quoted with ``quoted``: inside its
 ``<input>``/``<output>`` frame ``&``, ``<`` and ``>`` are written ``&amp;``, ``&lt;``,
 ``&gt;``, so an output cannot write ``</output>`` and continue as the prompt; the only
@@ -34,6 +38,7 @@ from typing import Any
 from grooves.rewards.client import Endpoint, JudgeCache, JudgeClient, JudgeError, ReplyError, number_in
 from grooves.rewards.compose import ComponentError, Failed, RewardComponent, Score, task_arguments
 from grooves.rewards.runner import limited
+from grooves.rewards.transcript import CONVERSATION_NOTE, first_user_turn, text_of, transcript
 from grooves.scoring import MissingColumn, input_text, quoted
 from grooves.types import Group, Trajectory
 
@@ -123,6 +128,9 @@ def _verdict_schema(max_reason_chars: int, low: float, high: float) -> dict:
             "required": ["reason", "score"], "additionalProperties": False}
 
 
+MIN_CONVERSATION_CHARS = 80  # a budget under this leaves each piece of text fewer than 20 characters
+
+
 class _Judge(RewardComponent):
     """What every judge shares: its client (endpoint, cache, counters) and the input rule."""
 
@@ -130,11 +138,34 @@ class _Judge(RewardComponent):
 
     def __init__(self, name: str, endpoint: Endpoint | JudgeClient, *, weight: float = 1.0,
                  required: bool = True, input: str | None = None, cache: JudgeCache | None = None,
-                 max_reason_chars: int = 240):
+                 max_reason_chars: int = 240, conversation: bool = False, max_chars: int = 8000):
         super().__init__(name, weight, required)
+        if max_chars < MIN_CONVERSATION_CHARS:
+            raise ValueError(f"judge {name!r}: max_chars must be at least {MIN_CONVERSATION_CHARS}, got {max_chars}")
         self.client = endpoint if isinstance(endpoint, JudgeClient) else JudgeClient(endpoint, name, cache)
         self.input = input
         self.max_reason_chars = max_reason_chars
+        self.conversation, self.max_chars = conversation, max_chars
+
+    @property
+    def quoting(self) -> str:
+        """What the prompt says about its frames (and, for conversations, about turns and cuts)."""
+        return f"{QUOTING}\n{CONVERSATION_NOTE}" if self.conversation else QUOTING
+
+    def shown(self, trajectory: Trajectory) -> str:
+        """What the judge grades, quoted: the last reply, or the whole conversation after the input."""
+        if self.conversation:
+            return transcript(trajectory.messages, self.max_chars)
+        return quoted(trajectory.completion)
+
+    def input_of(self, trajectory: Trajectory | None, group: Group) -> str:
+        """The input, quoted. With conversations the default is the first user turn: the rest is shown."""
+        if self.conversation and not self.input:
+            messages = (trajectory or group.trajectories[0]).messages
+            first = first_user_turn(messages)
+            if first is not None:
+                return quoted(text_of(messages[first].get("content")))
+        return quoted(judge_input(trajectory, group, self.input))
 
     def counters(self) -> dict[str, float]:
         return self.client.counters()
@@ -165,9 +196,8 @@ class PointwiseJudge(_Judge):
 
     async def score_group(self, group: Group) -> list[Score | Failed]:
         async def one(trajectory: Trajectory) -> Score:
-            prompt = POINTWISE_PROMPT.format(rubric=rubric_text(self.rubric), quoting=QUOTING,
-                                             output=quoted(trajectory.completion),
-                                             input=quoted(judge_input(trajectory, group, self.input)),
+            prompt = POINTWISE_PROMPT.format(rubric=rubric_text(self.rubric), quoting=self.quoting,
+                                             output=self.shown(trajectory), input=self.input_of(trajectory, group),
                                              low=self.low, high=self.high)
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
 
@@ -210,11 +240,10 @@ class GroupJudge(_Judge):
 
     async def _ask(self, group: Group, ids: list[str], order: list[int]) -> dict[str, tuple[float, str]]:
         shown = [ids[i] for i in order]
-        outputs = "\n".join(f'<output id="{ids[i]}">\n{quoted(group.trajectories[i].completion)}\n</output>'
+        outputs = "\n".join(f'<output id="{ids[i]}">\n{self.shown(group.trajectories[i])}\n</output>'
                             for i in order)
-        prompt = GROUP_PROMPT.format(rubric=rubric_text(self.rubric), quoting=QUOTING, count=len(group),
-                                     input=quoted(judge_input(None, group, self.input)), outputs=outputs,
-                                     ids=", ".join(shown))
+        prompt = GROUP_PROMPT.format(rubric=rubric_text(self.rubric), quoting=self.quoting, count=len(group),
+                                     input=self.input_of(None, group), outputs=outputs, ids=", ".join(shown))
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
 
         def check(reply: dict) -> dict[str, tuple[float, str]]:
@@ -250,8 +279,8 @@ class YesNoCheck(_Judge):
 
     async def score_group(self, group: Group) -> list[Score | Failed]:
         async def one(trajectory: Trajectory) -> Score:
-            prompt = CHECK_PROMPT.format(question=self.question, quoting=QUOTING, output=quoted(trajectory.completion),
-                                         input=quoted(judge_input(trajectory, group, self.input)))
+            prompt = CHECK_PROMPT.format(question=self.question, quoting=self.quoting, output=self.shown(trajectory),
+                                         input=self.input_of(trajectory, group))
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
 
             def check(reply: dict) -> Score:
