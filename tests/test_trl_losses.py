@@ -160,3 +160,74 @@ def test_toml_algorithm_section_sets_the_new_fields():
     assert config.algorithm.loss_options()["vespo_lambda_neg"] == 1.5
     with pytest.raises(ValueError, match="sapo_temperature"):
         parse_config({"algorithm": {"preset": "sapo", "sapo_temperature_pos": -1}})
+
+
+# --- the trainer: forward_backward takes the options, a train step passes the algorithm's -----------
+
+# One sequence of 7 tokens; the loss reads positions 2..5. Old and reference log-probs are made up,
+# so the ratio exp(logp - old) is far from 1 and the corrected KL differs from the plain one.
+SEQUENCE = [5, 17, 42, 99, 7, 23, 61]
+OLD_LP = [0.0, 0.0, -5.0, -5.5, -4.0, -6.0]
+REF_LP = [0.0, 0.0, -4.0, -5.0, -6.0, -5.0]
+
+
+def datum(advantage: float):
+    from grooves.training.datums import Datum
+
+    return Datum(tokens=SEQUENCE[:-1], target_tokens=SEQUENCE[1:], weights=[0, 0, 1, 1, 1, 1], logprobs=OLD_LP,
+                 advantages=[0, 0] + [advantage] * 4, ref_logprobs=REF_LP)
+
+
+def test_forward_backward_adds_the_bias_corrected_kl(tiny_policy):
+    from grooves.training.datums import LossConfig
+    from grooves.training.trainer import Trainer
+
+    trainer = Trainer(tiny_policy, alg.grpo())
+    plain = trainer.forward_backward([datum(0.0)], "ppo_clip", LossConfig(kl_coef=0.5), backward=False)
+    fixed = trainer.forward_backward([datum(0.0)], "ppo_clip", LossConfig(kl_coef=0.5, kl_ratio="token"),
+                                     backward=False)
+    logp = plain.logprobs[0][2:].double()
+    old, ref = torch.tensor(OLD_LP[2:], dtype=torch.float64), torch.tensor(REF_LP[2:], dtype=torch.float64)
+    k3 = torch.exp(ref - logp) - (ref - logp) - 1
+    # A = 0: the loss is the KL term alone, 0.5 * sum_t k3_t, and with the correction 0.5 * sum_t k3_t r_t
+    assert plain.loss == pytest.approx(0.5 * k3.sum().item(), rel=1e-5)
+    assert fixed.loss == pytest.approx(0.5 * (k3 * torch.exp(logp - old)).sum().item(), rel=1e-5)
+    assert abs(fixed.loss - plain.loss) > 0.01 * plain.loss
+
+
+def test_forward_backward_passes_sapo_temperatures(tiny_policy):
+    from grooves.training.datums import LossConfig
+    from grooves.training.trainer import Trainer
+
+    trainer = Trainer(tiny_policy, alg.sapo())
+    options = {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 4.0}
+    out = trainer.forward_backward([datum(1.0)], "sapo", LossConfig(loss_options=options), backward=False)
+    default = trainer.forward_backward([datum(1.0)], "sapo", LossConfig(), backward=False)
+    ratio = torch.exp(out.logprobs[0][2:].double() - torch.tensor(OLD_LP[2:], dtype=torch.float64))
+    # A = +1 -> tau_pos: sum_t -sigmoid(tau (r_t - 1)) * 4 / tau
+    assert out.loss == pytest.approx(-(torch.sigmoid(2.0 * (ratio - 1)) * 2.0).sum().item(), rel=1e-5)
+    assert default.loss == pytest.approx(-(torch.sigmoid(ratio - 1) * 4.0).sum().item(), rel=1e-5)
+
+
+def test_train_step_passes_the_algorithms_loss_options_and_kl_ratio(tiny_policy, monkeypatch):
+    from grooves.training.trainer import Trainer
+    from grooves.types import Group, Trajectory
+
+    algorithm = alg.vespo(vespo_k_pos=1.5, beta=0.1, kl_bias_correction=True)
+    trainer = Trainer(tiny_policy, algorithm, max_completion_length=4)
+    seen, original = [], trainer.forward_backward
+
+    def spy(datums, loss_fn, config=None, **kwargs):
+        seen.append((loss_fn, config))
+        return original(datums, loss_fn, config, **kwargs)
+
+    monkeypatch.setattr(trainer, "forward_backward", spy)
+    group = Group({"id": "0"}, [Trajectory(messages=[], prompt_ids=[5, 17, 42], completion_ids=[99, 7, 23],
+                                           completion_mask=[1, 1, 1], logprobs=[-5.0] * 3, reward=r)
+                                for r in (1.0, 0.0)])
+    metrics = trainer.train_step([group])
+    assert math.isfinite(metrics["loss/policy"])
+    loss_fn, config = seen[0]
+    assert loss_fn == "vespo" and config.kl_ratio == "token" and config.kl_coef == 0.1
+    assert config.loss_options == {"vespo_k_pos": 1.5, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
+                                   "vespo_lambda_neg": 2.0}

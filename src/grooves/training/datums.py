@@ -139,6 +139,8 @@ class LossConfig:
     is_mode: str = "truncate"  # or "mask"
     is_cap: float = 3.0
     dual_clip: float | None = None
+    kl_ratio: str | None = None  # "token" / "sequence": k3 * pi/pi_old, the bias-corrected KL (TRL's)
+    loss_options: dict[str, float] = field(default_factory=dict)  # the loss's own settings (SAPO's, VESPO's)
 
 
 @dataclass

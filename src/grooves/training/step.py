@@ -136,7 +136,8 @@ class RLStep:
         for iteration in range(alg.num_iterations):
             first = iteration == 0
             config = LossConfig(alg.eps_low, alg.eps_high, kl_coef=alg.beta, entropy=first, is_level=level,
-                                is_mode=alg.is_mode, is_cap=alg.is_cap, dual_clip=alg.dual_clip)
+                                is_mode=alg.is_mode, is_cap=alg.is_cap, dual_clip=alg.dual_clip,
+                                kl_ratio=alg.kl_ratio_level(), loss_options=alg.loss_options())
             for datums in minis:
                 # the KL is logged from the first pass; later passes need it only as a penalty
                 later = datums if alg.beta > 0 else [replace(d, ref_logprobs=None) for d in datums]

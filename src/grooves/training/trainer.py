@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from grooves.algorithms import LOSSES, Algorithm, k3_kl
+from grooves.algorithms import LOSSES, Algorithm, k3_kl, kl_ratio
 from grooves.algorithms.losses import TINKER_LOSSES
 from grooves.policy.logprobs import TokenBatch, completion_logprobs, shared_prefix_logprobs
 from grooves.policy.policy import Policy
@@ -50,7 +50,7 @@ class Trainer(RLStep):
                          *, backward: bool = True, loss_positions_only: bool = False) -> ForwardBackwardOutput:
         """Sum of ``weights * loss`` over every token of every datum; its gradient is *added* to the
         adapter's (call ``optim_step`` to apply it). ``loss_fn``: Tinker's ``cross_entropy``,
-        ``importance_sampling``, ``ppo``, ``cispo`` or grooves' ``ppo_clip``, ``gspo``.
+        ``importance_sampling``, ``ppo``, ``cispo`` or grooves' ``ppo_clip``, ``gspo``, ``sapo``, ``vespo``.
         ``loss_positions_only``: log-probs only where a weight is non-zero (0 elsewhere in the
         output), which skips the output head on an agent's tool results and env text."""
         loss, eps_low, eps_high = _loss_fn(loss_fn, config := config or LossConfig())
@@ -65,7 +65,8 @@ class Trainer(RLStep):
                     logp, entropy = self._logprobs(tokens, with_entropy=config.entropy, shifted=batch.shifted)
                     mask = (micro.weights != 0).float()  # (b, T) tokens in the loss
                     old = logp.detach() if micro.old_logprobs is None else micro.old_logprobs
-                    terms = loss(logp, old, micro.advantages, mask, eps_low, eps_high, dual_clip=config.dual_clip)
+                    terms = loss(logp, old, micro.advantages, mask, eps_low, eps_high, dual_clip=config.dual_clip,
+                                 **config.loss_options)
                     per_token = terms.per_token
                     effective = micro.weights
                     if micro.sampler_logprobs is not None:
@@ -73,7 +74,8 @@ class Trainer(RLStep):
                         if weight is not None:
                             per_token, effective = per_token * weight, micro.weights * weight
                     if micro.ref_logprobs is not None:
-                        kl = k3_kl(logp, micro.ref_logprobs)
+                        ratio = None if config.kl_ratio is None else kl_ratio(logp, old, mask, config.kl_ratio)
+                        kl = k3_kl(logp, micro.ref_logprobs, ratio)
                         if config.kl_coef > 0:
                             per_token = per_token + config.kl_coef * kl
                         add_metric(out, "kl", kl, mask)
