@@ -246,6 +246,26 @@ def test_an_engine_folder_outside_the_runs_root_loads_when_named_with_lora_root(
         stop_server(proc)
 
 
+def test_two_engines_take_requests_in_turn_and_each_serves_every_version(tmp_path):
+    shared = tmp_path / "shared-adapters"
+    procs, urls = [], []
+    try:
+        for name in ("a", "b"):
+            runs, port = tmp_path / name, free_port()
+            runs.mkdir()
+            procs.append(start_server(runs, port, "--lora-root", str(shared)))
+            urls.append(f"http://127.0.0.1:{port}/v1")
+        run, _ = engine_run(tmp_path / "train", urls, steps=2, adapters=str(shared))
+        assert run.step == 2 and run.halted_by is None
+        for url in urls:
+            names = {m["id"] for m in httpx.get(url + "/models").json()["data"]}
+            assert {"tiny-run@1", "tiny-run@2"} <= names
+            assert httpx.get(url.removesuffix("/v1") + "/health").json()["generated_tokens"] > 0
+    finally:
+        for proc in procs:
+            stop_server(proc)
+
+
 def test_a_killed_server_is_waited_for_and_the_run_goes_on(tmp_path):
     """kill -9 after step 1, back 3 s later on the same port: every step trains once, the lost
     adapters are loaded again; a server that never comes back stops the run with a clear error."""

@@ -14,13 +14,15 @@ the server did read (``prompt_ids``), and the rollout trains only up to the brea
 
 A server that is down (connection refused, a timeout, a 5xx) is retried with backoff for up to
 ``max_wait`` seconds, then the sampler raises ``EngineError``; a 404 for the model (a restarted
-server that lost its runtime adapters) calls ``on_missing(model)`` once and retries.
+server that lost its runtime adapters) calls ``on_missing(model, engine)`` once and retries.
+Given several engines (clients), the sampler sends each request to the next one in turn.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -49,13 +51,16 @@ class EngineOutput:
 
 
 class EngineSampler:
-    """``Sampler.generate`` and ``decode_rows`` over an engine. ``model`` is the served name to sample
-    (``RUN@STEP`` for a runtime-loaded adapter); ``policy`` gives the tokenizer and chat template."""
+    """``Sampler.generate`` and ``decode_rows`` over an engine (or several, taking requests in turn).
+    ``model`` is the served name to sample (``RUN@STEP`` for a runtime-loaded adapter); ``policy``
+    gives the tokenizer and chat template."""
 
     def __init__(self, policy, client, model: str, *, max_concurrency: int = 8, max_wait: float = 300.0,
-                 on_missing: Callable[[str], None] | None = None):
+                 on_missing: Callable[[str, int], None] | None = None):
         self.policy = policy
-        self.client = client  # an openai.OpenAI with max_retries=0: the waiting is ours
+        # openai.OpenAI clients with max_retries=0 (the waiting is ours), one per engine
+        self.clients = list(client) if isinstance(client, Sequence) else [client]
+        self._turn = itertools.count()
         self.model = model
         self.max_concurrency = max_concurrency
         self.max_wait = max_wait
@@ -112,18 +117,20 @@ class EngineSampler:
                                         list(read), prefix_break=list(read) != ids))
         return outputs
 
-    def _call(self, request: dict):
-        """One request, retried while the server is down (up to ``max_wait``); a lost model is reloaded once."""
+    def _call(self, request: dict, engine: int | None = None):
+        """One request to ``engine`` (default: the next in turn), retried while it is down (up to
+        ``max_wait``); a lost model is reloaded once."""
         import openai
 
+        engine = next(self._turn) % len(self.clients) if engine is None else engine
         deadline, delay, reloaded = time.monotonic() + self.max_wait, 0.5, False
         while True:
             try:
-                return self.client.completions.create(**request)
+                return self.clients[engine].completions.create(**request)
             except openai.NotFoundError as error:
                 if reloaded or self.on_missing is None:
                     raise EngineError(f"sampler.url: the server has no model {request['model']!r}: {error}") from None
-                self.on_missing(request["model"])
+                self.on_missing(request["model"], engine)
                 reloaded = True
             except (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError,
                     openai.RateLimitError) as error:

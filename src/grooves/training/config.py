@@ -199,9 +199,12 @@ class BackendConfig(Section):
 class EngineConfig(Section):
     """Sample rollouts through an inference engine's OpenAI server (vLLM's API; `grooves serve` too)."""
 
-    url: str = Field(description="The server's base URL, e.g. 'http://127.0.0.1:8000/v1'. It must answer "
-                     "/v1/completions with token-id prompts and vLLM's return_token_ids, and /v1/load_lora_adapter "
-                     "(vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, --enable-lora, --logprobs-mode processed_logprobs).")
+    url: str | list[str] = Field(description="The server's base URL, e.g. 'http://127.0.0.1:8000/v1', or a list "
+                                 "of several engines that take requests in turn (each version is loaded into "
+                                 "each). It must answer /v1/completions with token-id prompts and vLLM's "
+                                 "return_token_ids, and /v1/load_lora_adapter (vLLM: "
+                                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, --enable-lora, --logprobs-mode "
+                                 "processed_logprobs).")
     model: str | None = Field(None, description="The base model's name on the server, for the adapter's "
                               "metadata (default: model.spec).")
     api_key_env: str | None = Field(None, description="Environment variable holding the server's API key "
@@ -215,6 +218,17 @@ class EngineConfig(Section):
                                  "written for the server to load, as `RUN@STEP`; the server must read it at the "
                                  "same path (default: RUN/engine-adapters).")
     keep: int = Field(3, ge=1, description="Adapter versions kept loaded on the server (older ones are unloaded).")
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.url] if isinstance(self.url, str) else list(self.url)
+
+    @field_validator("url")
+    @classmethod
+    def _some_url(cls, value):
+        if isinstance(value, list) and (not value or len(set(value)) != len(value)):
+            raise ValueError("give one URL or a list of distinct URLs")
+        return value
 
 
 class RunConfig(Section):

@@ -44,12 +44,13 @@ class EngineRollouts(LocalRollouts):
         self.current_version = version
         self.run_name = run_dir.name
         self.folder = Path(config.adapters) if config.adapters else run_dir / "engine-adapters"
-        self.client = openai.OpenAI(base_url=config.url, api_key=key or "none", timeout=config.timeout,
-                                    max_retries=0)
-        self.http = httpx.Client(base_url=config.url.rstrip("/"), timeout=config.timeout,
-                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+        urls = config.urls
+        self.clients = [openai.OpenAI(base_url=url, api_key=key or "none", timeout=config.timeout, max_retries=0)
+                        for url in urls]
+        self.http = [httpx.Client(base_url=url.rstrip("/"), timeout=config.timeout,
+                                  headers={"Authorization": f"Bearer {key}"} if key else {}) for url in urls]
         self.loaded: dict[str, Path] = {}  # served name -> its adapter folder, oldest first
-        self.sampler = EngineSampler(policy, self.client, "", max_concurrency=config.max_concurrency,
+        self.sampler = EngineSampler(policy, self.clients, "", max_concurrency=config.max_concurrency,
                                      max_wait=config.max_wait, on_missing=self.reload)
         super().__init__(EnginePolicy(policy, self.sampler), sets, group_size, sampling, generator)
         self.trainer_policy = policy
@@ -65,21 +66,22 @@ class EngineRollouts(LocalRollouts):
         self._load(name, folder)
         self.loaded.pop(name, None)
         self.loaded[name] = folder
-        self.gap = self._probe(name)
+        self.gap = max(self._probe(name, engine) for engine in range(len(self.clients)))
         while len(self.loaded) > self.config.keep:
             old, old_folder = next(iter(self.loaded.items()))
-            self._admin("/unload_lora_adapter", {"lora_name": old})  # a 404 (already gone) is fine
+            for engine in range(len(self.http)):
+                self._admin(engine, "/unload_lora_adapter", {"lora_name": old})  # a 404 (already gone) is fine
             shutil.rmtree(old_folder, ignore_errors=True)
             del self.loaded[old]
         return name
 
-    def _probe(self, name: str) -> float:
-        """The mean absolute difference between the engine's and the trainer's log-probs of a fixed
+    def _probe(self, name: str, engine: int) -> float:
+        """The mean absolute difference between an engine's and the trainer's log-probs of a fixed
         probe under ``name`` (vLLM's ``prompt_logprobs``): near 0 when the engine serves these weights."""
         policy = self.trainer_policy
         ids = policy.chat_ids([{"role": "user", "content": "Probe: list three colours and a number."}])
         reply = self.sampler._call(dict(model=name, prompt=ids, max_tokens=1, temperature=0,
-                                        extra_body={"prompt_logprobs": 0}))
+                                        extra_body={"prompt_logprobs": 0}), engine)
         served = reply.choices[0].model_extra.get("prompt_logprobs") or reply.model_extra.get("prompt_logprobs")
         if not served:
             raise EngineError("sampler.url: the server does not answer vLLM's prompt_logprobs")
@@ -106,37 +108,42 @@ class EngineRollouts(LocalRollouts):
 
     def latest(self) -> EnginePolicy:
         """The newest published version as a policy view (held-out validation samples it)."""
-        sampler = EngineSampler(self.trainer_policy, self.client, next(reversed(self.loaded)),
+        sampler = EngineSampler(self.trainer_policy, self.clients, next(reversed(self.loaded)),
                                 max_concurrency=self.config.max_concurrency, max_wait=self.config.max_wait,
                                 on_missing=self.reload)
         return EnginePolicy(self.trainer_policy, sampler)
 
-    def reload(self, name: str) -> None:
-        """A restarted engine lost its runtime adapters: load ``name`` again from its folder."""
+    def reload(self, name: str, engine: int) -> None:
+        """A restarted engine lost its runtime adapters: load ``name`` into it again from its folder."""
         if name not in self.loaded:
             raise EngineError(f"sampler.url: the server has no model {name!r}, and it is not a version this run "
                               f"published")
-        self._load(name, self.loaded[name])
+        self._load_into(engine, name, self.loaded[name])
 
     def close(self) -> None:
-        self.http.close()
-        self.client.close()
+        for http, client in zip(self.http, self.clients):
+            http.close()
+            client.close()
 
     def _load(self, name: str, folder: Path) -> None:
+        for engine in range(len(self.http)):
+            self._load_into(engine, name, folder)
+
+    def _load_into(self, engine: int, name: str, folder: Path) -> None:
         body = {"lora_name": name, "lora_path": str(folder.resolve())}
-        response = self._admin("/load_lora_adapter", body)
+        response = self._admin(engine, "/load_lora_adapter", body)
         if response.status_code == 400 and "already been loaded" in response.text:
-            response = self._admin("/load_lora_adapter", {**body, "load_inplace": True})
+            response = self._admin(engine, "/load_lora_adapter", {**body, "load_inplace": True})
         if response.status_code != 200:
-            raise EngineError(f"sampler.url: the server did not load adapter {name!r} from {folder} "
+            raise EngineError(f"sampler.url: {self.config.urls[engine]} did not load adapter {name!r} from {folder} "
                               f"({response.status_code}): {response.text[:500]}")
 
-    def _admin(self, path: str, body: dict) -> httpx.Response:
-        """POST to an adapter route, retried while the server is down or restarting (up to ``max_wait``)."""
+    def _admin(self, engine: int, path: str, body: dict) -> httpx.Response:
+        """POST to an engine's adapter route, retried while it is down or restarting (up to ``max_wait``)."""
         deadline, delay = time.monotonic() + self.config.max_wait, 0.5
         while True:
             try:
-                response = self.http.post(path, json=body)
+                response = self.http[engine].post(path, json=body)
             except httpx.TransportError as error:
                 if time.monotonic() + delay > deadline:
                     raise EngineError(f"sampler.url: the server did not answer {path} for "
