@@ -9,6 +9,8 @@ Two paths give the same numbers (a test holds them to 1e-5, gradients included):
   cache is repeated for every row and the gradient flows back through it. The G completions
   of a group share their whole prompt (with ~150 prompt and ~30 completion tokens, ~3.5x fewer
   tokens); SFT transcripts of an agent env share its system prompt and tools.
+- ``SharedPrefix(detached=True)``: the same, with the prefix run once for many micro-batches
+  (an SFT step's, whose examples all begin with one system prompt and tools).
 
 Either way the output head runs only on the completion positions that are trained (mask 1):
 prompt positions, tool results and env text never get full-vocabulary logits.
@@ -111,26 +113,71 @@ def shared_prefix_logprobs(
     """``completion_logprobs`` that runs the rows' common prefix once: the whole prompt of a
     group's G completions, or the system prompt and tools of SFT transcripts of different tasks.
     The prefix's KV cache is repeated for every row and the gradient flows back through it."""
-    from transformers import DynamicCache
-
     shared = shared_prefix_length(batch)
     if shared == 0:
         return completion_logprobs(causal_lm, batch, temperature, with_entropy)
-    decoder = causal_lm.get_decoder()
-    cache = DynamicCache(config=causal_lm.config)
-    prefix_hidden = decoder(input_ids=batch.input_ids[:1, :shared], cache=cache,
-                            use_cache=True).last_hidden_state  # (1, P, H)
-    rows, width = batch.targets.shape
-    cache.batch_repeat_interleave(rows)  # differentiable: gradients reach the prefix's K/V
-    rest = batch.input_ids[:, shared: int((batch.starts + width).max())]  # (B, R), right-padded
-    positions = torch.arange(shared, shared + rest.shape[1], device=rest.device).expand(rows, -1)
-    hidden = decoder(input_ids=rest, position_ids=positions, cache=cache, use_cache=True).last_hidden_state
-    # position starts + t - 1 predicts completion token t; index 0 below is the prefix's last position
-    hidden = torch.cat([prefix_hidden[:, -1:].expand(rows, 1, -1), hidden], dim=1)  # (B, 1 + R, H)
-    offsets = torch.arange(width, device=hidden.device)
-    index = (batch.starts[:, None] - shared + offsets).clamp(max=hidden.shape[1] - 1)  # (B, T)
-    picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
-    return _head_logprobs(causal_lm, picked, batch, temperature, with_entropy)
+    return SharedPrefix(causal_lm, batch.input_ids[0, :shared]).logprobs(batch, temperature, with_entropy)
+
+
+class SharedPrefix:
+    """A prefix that many rows begin with, run once for all of them; ``logprobs`` runs rows against
+    its KV cache (the same numbers as ``completion_logprobs``).
+
+    ``detached=False``: the rows' graphs reach through the cache into the prefix's own graph (one
+    backward does it all). ``detached=True``: the cache is a leaf, so row after row (an SFT step's
+    micro-batches) can run and backpropagate with the prefix run only once; ``backward()`` then
+    sends the gradient they left on the cache back through the prefix, once (dL/dθ is a sum over
+    the uses of the cache, so the result is the same gradient)."""
+
+    def __init__(self, causal_lm, prefix_ids: torch.Tensor, detached: bool = False):  # prefix_ids (P,)
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        self.causal_lm, self.ids = causal_lm, prefix_ids
+        cache = DynamicCache(config=causal_lm.config)
+        hidden = causal_lm.get_decoder()(input_ids=prefix_ids[None], cache=cache,
+                                         use_cache=True).last_hidden_state  # (1, P, H)
+        if not all(type(layer) is DynamicLayer for layer in cache.layers):  # e.g. sliding windows cut the cache
+            raise ValueError("SharedPrefix needs a model whose cache keeps every position")
+        # index 0 predicts a row's first completion token when its prompt is the whole prefix
+        self._outputs = [hidden[:, -1:]] + [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        self._inputs = [t.detach().requires_grad_(t.requires_grad) for t in self._outputs] if detached \
+            else self._outputs
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def logprobs(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``completion_logprobs(causal_lm, batch)`` for rows whose prompts begin with the prefix."""
+        from transformers import DynamicCache
+
+        shared = len(self)
+        if int(batch.starts.min()) < shared or not bool((batch.input_ids[:, :shared] == self.ids).all()):
+            raise ValueError("every row's prompt must begin with the shared prefix")
+        rows, width = batch.targets.shape
+        last, *kv = self._inputs
+        cache = DynamicCache(config=self.causal_lm.config)
+        for layer in range(len(kv) // 2):  # expand: differentiable, the gradient sums over the rows
+            cache.update(kv[2 * layer].expand(rows, -1, -1, -1), kv[2 * layer + 1].expand(rows, -1, -1, -1), layer)
+        rest = batch.input_ids[:, shared: int((batch.starts + width).max())]  # (B, R), right-padded
+        positions = torch.arange(shared, shared + rest.shape[1], device=rest.device).expand(rows, -1)
+        hidden = self.causal_lm.get_decoder()(input_ids=rest, position_ids=positions, cache=cache,
+                                              use_cache=True).last_hidden_state  # (B, R, H)
+        # position starts + t - 1 predicts completion token t; index 0 below is the prefix's last position
+        hidden = torch.cat([last.expand(rows, 1, -1), hidden], dim=1)  # (B, 1 + R, H)
+        offsets = torch.arange(width, device=hidden.device)
+        index = (batch.starts[:, None] - shared + offsets).clamp(max=hidden.shape[1] - 1)  # (B, T)
+        picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
+        return _head_logprobs(self.causal_lm, picked, batch, temperature, with_entropy)
+
+    def backward(self) -> None:
+        """With ``detached``, after the rows' ``backward()``: their gradient on the cache, through the prefix."""
+        pairs = [(out, leaf.grad) for out, leaf in zip(self._outputs, self._inputs)
+                 if leaf is not out and leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        self._outputs = self._inputs = []
 
 
 def _head_logprobs(causal_lm, picked, batch, temperature, with_entropy):

@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 from pydantic import Field, field_validator
 from rich.console import Console
+from rich.markup import escape
 
 from grooves.policy.lora import LoRA
 from grooves.progress import Reporter
-from grooves.policy.logprobs import build_token_batch, completion_logprobs, shared_prefix_logprobs
+from grooves.policy.context import model_context
+from grooves.policy.logprobs import SharedPrefix, build_token_batch, completion_logprobs
 from grooves.policy.policy import Policy
 from grooves.tasks.sources import TaskStream
 from grooves.training import checkpoint as ckpt
@@ -46,6 +48,12 @@ class SFTDataConfig(Section):
                                      "least this (rejection-sampling fine-tuning).")
     limit: int | None = Field(None, ge=1, description="Use at most this many training examples.")
     env_options: dict = Field(default_factory=dict, description="With 'env:NAME': the env's options.")
+    max_seq_length: int | None = Field(None, ge=2, description="Most tokens of an example (prompt + transcript): "
+                                       "a longer one keeps its first max_seq_length tokens, one whose prompt "
+                                       "alone reaches it or that keeps no trained token is skipped; both are "
+                                       "counted (train/examples_cut, train/examples_skipped, "
+                                       "train/loss_tokens_cut). Unset: every example whole, and those over the "
+                                       "model's context are said before the first step.")
 
 
 class SFTConfig(Section):
@@ -76,11 +84,15 @@ class SFTRun:
     def __init__(self, config: SFTConfig, policy: Policy, train: list[Trajectory], heldout: list[Trajectory],
                  run_dir: Path, *, resume: bool = False, console: Console | None = None, progress: bool = True,
                  env_eval=None, resume_command: str = "grooves sft CONFIG --resume"):
-        if not train:
-            raise ValueError("SFT needs at least one training example")
-        self.config, self.policy, self.train, self.heldout = config, policy, train, heldout[: config.log.val_size]
-        self.run_dir, self.resume, self.resume_command = Path(run_dir), resume, resume_command
+        self.config, self.policy = config, policy
         self.console = console or Console(stderr=True)
+        self.fit_metrics: dict[str, float] = {}  # what max_seq_length cut, logged at step 0
+        self.train = self._fit(train, "train", "training examples")
+        if not self.train:
+            raise ValueError("SFT needs at least one training example" + (
+                f" (every one was skipped by data.max_seq_length = {config.data.max_seq_length})" if train else ""))
+        self.heldout = self._fit(heldout[: config.log.val_size], "val", "held-out examples")
+        self.run_dir, self.resume, self.resume_command = Path(run_dir), resume, resume_command
         self.progress = Reporter(self.console, enabled=progress)
         self.env_eval = env_eval  # step -> metrics of held-out env rollouts, or None
         self.params = policy.trainable_parameters()
@@ -95,7 +107,7 @@ class SFTRun:
             step, halted = start, None
             try:
                 if start == 0:
-                    self._log(0, self._validate())
+                    self._log(0, {**self.fit_metrics, **self._validate()})
                 with self.progress.counting(self.config.steps, done=start), GracefulStop(self.console) as stop:
                     for step in range(start + 1, self.config.steps + 1):
                         metrics = self._step(step)
@@ -115,6 +127,21 @@ class SFTRun:
                 self.sinks.close()
                 self.store.close()
         return Run(self.run_dir.name, self.run_dir, step, self.store.read_metrics(), halted_by=halted)
+
+    def _fit(self, examples: list[Trajectory], prefix: str, what: str) -> list[Trajectory]:
+        """``examples`` within ``data.max_seq_length`` (``sft_data.fit_examples``); what was cut is
+        said now, before the first step, and kept for step 0's metrics."""
+        from grooves.training.sft_data import fit_examples
+
+        limit = self.config.data.max_seq_length
+        kept, fit = fit_examples(examples, limit, model_context(self.policy))
+        if limit is not None:
+            self.fit_metrics.update(fit.metrics(prefix))
+        said = fit.sentence(what, limit)
+        if said:
+            self.console.print(f"[yellow]{'warning' if limit is None else 'note'}[/]: {escape(said)}",
+                               highlight=False, soft_wrap=True)
+        return kept
 
     def _step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
@@ -137,26 +164,46 @@ class SFTRun:
                 "train/step_time": time.perf_counter() - start}
 
     def _loss(self, examples: list[Trajectory], backward: bool) -> tuple[float, int]:
-        """Token-mean NLL of the examples' trained tokens; with ``backward``, its gradient too."""
+        """Token-mean NLL of the examples' trained tokens; with ``backward``, its gradient too.
+
+        The prompt prefix every example of the call shares (an env's system prompt and tools) runs
+        once for all micro-batches (``SharedPrefix``); each micro-batch stops at its last trained
+        token, and the output head runs only on trained tokens."""
         ordered = sorted(examples, key=lambda t: len(t.prompt_ids) + len(t.completion_ids))
         tokens = sum(sum(t.completion_mask) for t in ordered)
         if tokens == 0:
             return math.nan, 0
         total = 0.0
         size = self.config.optim.micro_batch_size
-        lm = self.policy.causal_lm
-        # transcripts of one env begin with the same system prompt and tools: that prefix runs once
-        # (activation checkpointing drops the KV cache it needs, so then every row runs in full)
-        forward = completion_logprobs if getattr(lm, "is_activation_checkpointing", False) else shared_prefix_logprobs
-        for i in range(0, len(ordered), size):
-            batch = build_token_batch(ordered[i: i + size], self.policy.device)  # (B, T), similar lengths
-            with torch.set_grad_enabled(backward):
-                logp, _ = forward(lm, batch, 1.0)
+        with torch.set_grad_enabled(backward):
+            prefix = self._shared_prefix(ordered, detached=backward)
+            for i in range(0, len(ordered), size):
+                batch = build_token_batch(ordered[i: i + size], self.policy.device).trimmed()  # similar lengths
+                logp, _ = (prefix.logprobs(batch) if prefix is not None
+                           else completion_logprobs(self.policy.causal_lm, batch))
                 nll = -(logp * batch.mask).sum() / tokens
-            if backward:
-                nll.backward()
-            total += nll.item()
+                if backward:
+                    nll.backward()
+                total += nll.item()
+            if backward and prefix is not None:
+                prefix.backward()
         return total, tokens
+
+    def _shared_prefix(self, examples: list[Trajectory], detached: bool) -> SharedPrefix | None:
+        """The examples' common prompt prefix, run once (None: no common prefix, or activation
+        checkpointing, which drops the cache a prefix needs)."""
+        lm = self.policy.causal_lm
+        if getattr(lm, "is_activation_checkpointing", False):
+            return None
+        first, shared = examples[0].prompt_ids, min(len(t.prompt_ids) for t in examples)
+        for t in examples[1:]:
+            shared = next((k for k in range(shared) if t.prompt_ids[k] != first[k]), shared)
+        if shared == 0:
+            return None
+        try:
+            return SharedPrefix(lm, torch.tensor(first[:shared], device=self.policy.device), detached=detached)
+        except ValueError:  # a cache that does not keep every position
+            return None
 
     def _validate(self) -> dict[str, float]:
         self.progress.phase("validating", f"{len(self.heldout)} held-out examples"

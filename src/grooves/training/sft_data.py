@@ -12,10 +12,15 @@ Sources: a chat JSONL file (OpenAI messages, with assistant ``tool_calls`` and `
 messages, and optional ``tools``), an env's demonstrations (``env:NAME``), or the
 trajectories of a finished run (``run:NAME``) whose reward reaches ``min_reward``
 (rejection-sampling fine-tuning), whose exact token ids are used as they were sampled.
+
+``fit_examples`` applies ``max_seq_length``: an example longer than it keeps its first
+``max_seq_length`` tokens (the prompt stays whole, the end of the transcript goes); one whose
+prompt alone reaches the limit, or that keeps no trained token, is skipped. Both are counted.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +134,65 @@ def _split(examples: list[Trajectory], fraction: float, seed: int, limit: int | 
     rows = [{"id": str(t.metadata.get("task_id")), "example": t} for t in examples]  # a task stays on one side
     train, held = split_tasks(rows, fraction, seed)
     return [r["example"] for r in train][:limit], [r["example"] for r in held]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What ``max_seq_length`` did to a set of examples, and how many are over the model's context."""
+
+    examples: int  # examples given
+    cut: int  # examples shortened to max_seq_length tokens
+    skipped: int  # examples left out: the prompt alone reaches the limit, or no trained token is left
+    tokens_cut: int  # tokens dropped from the shortened examples (skipped ones not counted)
+    loss_tokens_cut: int  # trained tokens (mask 1) lost, from shortened and skipped examples
+    longest: int  # the longest example before cutting (tokens)
+    over_context: int = 0  # without max_seq_length: examples longer than the model's context
+    context: int = 0
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}/examples_cut": float(self.cut), f"{prefix}/examples_skipped": float(self.skipped),
+                f"{prefix}/loss_tokens_cut": float(self.loss_tokens_cut)}
+
+    def sentence(self, what: str, limit: int | None) -> str | None:
+        """What a user should read before the first step, or None when nothing happened."""
+        if limit is None:
+            if not self.over_context:
+                return None
+            return (f"{what}: {self.over_context} of {self.examples} are longer than the model's context of "
+                    f"{self.context} tokens (the longest: {self.longest}); positions past it were never trained "
+                    f"and each such example costs minutes on a CPU: set [data] max_seq_length (at most "
+                    f"{self.context}) to cut them")
+        if not (self.cut or self.skipped):
+            return None
+        return (f"{what}: {self.cut} of {self.examples} cut to max_seq_length = {limit} tokens "
+                f"({self.tokens_cut} tokens, {self.loss_tokens_cut} of them trained), {self.skipped} skipped "
+                f"(the longest was {self.longest} tokens)")
+
+
+def fit_examples(examples: list[Trajectory], max_seq_length: int | None, context: int,
+                 ) -> tuple[list[Trajectory], Fit]:
+    """The examples within ``max_seq_length`` tokens (prompt + transcript), cut or skipped as the
+    module docstring says. Without a limit every example is kept and those over the model's
+    ``context`` are counted (``Fit.sentence`` says so); a limit over the context is an error."""
+    if max_seq_length is not None and max_seq_length > context:
+        raise ValueError(f"data.max_seq_length = {max_seq_length} is over the model's context of {context} tokens")
+    longest = max((len(t.prompt_ids) + len(t.completion_ids) for t in examples), default=0)
+    if max_seq_length is None:
+        over = sum(len(t.prompt_ids) + len(t.completion_ids) > context for t in examples)
+        return examples, Fit(len(examples), 0, 0, 0, 0, longest, over, context)
+    kept, cut, skipped, tokens_cut, loss_cut = [], 0, 0, 0, 0
+    for t in examples:
+        room = max_seq_length - len(t.prompt_ids)  # completion tokens that fit
+        if room >= len(t.completion_ids):
+            kept.append(t)
+            continue
+        trained_left = sum(t.completion_mask[:room]) if room > 0 else 0
+        loss_cut += sum(t.completion_mask) - trained_left
+        if trained_left == 0:
+            skipped += 1
+            continue
+        cut += 1
+        tokens_cut += len(t.completion_ids) - room
+        kept.append(replace(t, completion_ids=t.completion_ids[:room], completion_mask=t.completion_mask[:room],
+                            logprobs=t.logprobs[:room], finish_reason="length", metadata=dict(t.metadata)))
+    return kept, Fit(len(examples), cut, skipped, tokens_cut, loss_cut, longest, 0, context)
