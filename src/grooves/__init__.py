@@ -24,6 +24,8 @@ _EXPORTS = {
     "train": "grooves.training",
     "sft": "grooves.training.sft",
     "Trainer": "grooves.training",
+    "TrainingSession": "grooves.training.session",
+    "gather_groups": "grooves.training.session",
     "RunConfig": "grooves.training",
     "load_config": "grooves.training",
     "run_config": "grooves.training",
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from grooves.rewards import Component, Endpoint, Reward
     from grooves.tasks import load_tasks
     from grooves.training import RunConfig, Trainer, load_config, run_config, train
+    from grooves.training.session import TrainingSession, gather_groups
     from grooves.training.sft import sft
     from grooves.types import Group, Trajectory
 

@@ -21,6 +21,7 @@ _EXPORTS = {
     "RunExistsError": "grooves.training.runfolder",
     "SFTConfig": "grooves.training.sft",
     "Trainer": "grooves.training.trainer",
+    "TrainingSession": "grooves.training.session",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from grooves.training.config import ConfigError, OptimConfig, RunConfig, load_config
     from grooves.training.runfolder import Run, RunExistsError
     from grooves.training.sft import SFTConfig
+    from grooves.training.session import TrainingSession
     from grooves.training.trainer import Trainer
 
 
