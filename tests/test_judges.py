@@ -90,6 +90,16 @@ def test_timeouts_are_retried_then_fail(fault):
     _, report = score(judge, group)
     assert math.isnan(group.trajectories[0].components["q"])
     assert report.counters["q"]["retries"] == 1 and "Timeout" in report.first_error["q"]
+    assert f"{fault.base_url} timed out after 0.2 s (1 retry); last: APITimeoutError" in report.first_error["q"]
+
+
+def test_a_call_that_timed_out_then_failed_says_both(fault):
+    fault.play(("sleep", 1.5, verdict(5)), ("status", 503), ("status", 503))
+    group = group_of("x")
+    _, report = score(PointwiseJudge("q", "r", endpoint(fault, timeout=0.2, max_retries=2)), group)
+    assert math.isnan(group.trajectories[0].components["q"])
+    assert report.first_error["q"].endswith(f"judge 'q': {fault.base_url} failed 3 times (2 retries, 1 timed out "
+                                            "after 0.2 s); last: HTTP 503: Error code: 503 - injected 503")
 
 
 def test_429_honours_retry_after_and_401_fails_at_once(fault):

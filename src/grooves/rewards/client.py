@@ -11,6 +11,9 @@ constrained decoding) and returns the reply's JSON object after a caller's check
   wrong ids), gets ``repairs`` more tries: the model sees its reply and what was wrong;
 - a server that rejects ``response_format`` is asked again without it, once per client;
 - successes are cached by (judge, model, prompt, schema); failures never are.
+- a call that fails for good says why in words a user can act on: "timed out after 60 s
+  (3 retries)" when every try timed out, else how many tries failed (and timed out) and the
+  last error; that text is the reward's first error, shown in the step's output.
 
 Counters (``calls``, ``retries``, ``unparseable``, ``failures``, ``cache_hits``, ``tokens``,
 ``latency_s``) are running totals; the reward report turns them into per-step metrics.
@@ -157,6 +160,7 @@ class JudgeClient:
 
         e = self.endpoint
         last = "no attempt"
+        timeouts = 0
         attempt = -1
         while attempt < e.max_retries:
             attempt += 1
@@ -181,6 +185,7 @@ class JudgeClient:
             except (openai.APITimeoutError, openai.APIConnectionError, openai.RateLimitError,
                     openai.InternalServerError) as error:
                 last = _describe(error)
+                timeouts += isinstance(error, openai.APITimeoutError)
                 if attempt < e.max_retries:
                     self.stats["retries"] += 1
                     await asyncio.sleep(_delay(error, e.backoff * 2 ** attempt))
@@ -197,7 +202,7 @@ class JudgeClient:
                 continue
             return response.choices[0].message.content or ""
         self.stats["failures"] += 1
-        raise JudgeError(f"judge {self.name!r}: {e.base_url} failed {e.max_retries + 1} times; last: {last}")
+        raise JudgeError(f"judge {self.name!r}: {e.base_url} {_gave_up(e, timeouts)}; last: {last}")
 
     def _client(self):
         """One AsyncOpenAI client per event loop (its connection pool belongs to that loop)."""
@@ -210,6 +215,17 @@ class JudgeClient:
             client = openai.AsyncOpenAI(base_url=e.base_url, api_key=e.api_key, timeout=e.timeout, max_retries=0)
             self._clients[loop] = client
         return client
+
+
+def _gave_up(e: Endpoint, timeouts: int) -> str:
+    """Why a call failed for good, in the words the step's output shows: "timed out after 60 s
+    (3 retries)" when every try timed out, else how many tries failed and how many timed out."""
+    tries = e.max_retries + 1
+    retries = f"{e.max_retries} retr{'y' if e.max_retries == 1 else 'ies'}"
+    if timeouts == tries:
+        return f"timed out after {e.timeout:g} s ({retries})"
+    timed_out = f", {timeouts} timed out after {e.timeout:g} s" if timeouts else ""
+    return f"failed {tries} times ({retries}{timed_out})"
 
 
 def _describe(error: Exception) -> str:
