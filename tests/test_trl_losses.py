@@ -68,6 +68,20 @@ def test_vespo_weight_is_one_on_policy_and_zero_when_the_ratio_explodes():
     assert torch.isfinite(far).all() and far.abs().max().item() == 0.0
 
 
+def test_vespo_takes_the_sampler_correction_into_w():
+    # W = pi/old * prod_t is_weight_t. Row 0: 0.75 * 2 = 1.5 (A >= 0): phi = 1.5^2 e^(3 * -0.5);
+    # row 1: 1.4 * 0.5 = 0.7 (the padding's weight 0 is off the mask) (A < 0): phi = 0.7^3 e^(2 * 0.3)
+    weight = torch.tensor([[2.0, 1.0, 1.0], [0.5, 1.0, 0.0]])
+    out = vespo(NEW, OLD, ADV, MASK, is_weight=weight)
+    phi0, phi1 = 2.25 * math.exp(-1.5), 0.343 * math.exp(0.6)
+    assert (phi0, phi1) == pytest.approx((0.5020429, 0.6249868))
+    close(out.per_token * MASK, [[-phi0 * math.log(0.75), -phi0 * math.log(0.5), -phi0 * math.log(0.25)],
+                                 [phi1 * math.log(0.5), phi1 * math.log(0.7), 0.0]])
+    # a token dropped by the mask mode (weight 0) sends ln W to ln 1e-8: phi(7.5e-9) ~ 1e-15, the sequence is out
+    dropped = vespo(NEW, OLD, ADV, MASK, is_weight=torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]))
+    assert dropped.per_token[0].abs().max().item() < 1e-12 and torch.isfinite(dropped.per_token).all()
+
+
 def test_luspo_scales_gspo_by_the_length():
     new = NEW.clone().requires_grad_(True)
     out = gspo(new, OLD, ADV, MASK, eps_low=0.2, eps_high=0.2)
@@ -207,6 +221,28 @@ def test_forward_backward_passes_sapo_temperatures(tiny_policy):
     # A = +1 -> tau_pos: sum_t -sigmoid(tau (r_t - 1)) * 4 / tau
     assert out.loss == pytest.approx(-(torch.sigmoid(2.0 * (ratio - 1)) * 2.0).sum().item(), rel=1e-5)
     assert default.loss == pytest.approx(-(torch.sigmoid(ratio - 1) * 4.0).sum().item(), rel=1e-5)
+
+
+def test_forward_backward_puts_the_sampler_correction_into_vespos_w(tiny_policy):
+    from dataclasses import replace
+
+    from grooves.training.datums import LossConfig
+    from grooves.training.trainer import Trainer
+
+    # the sampler's log-probs differ from the old policy's by +0.5, -0.5, 0, +1: w_t = exp(old - mu), none
+    # above the cap 3, so sum_t ln w_t = 1 and W = exp(sum_t (logp_t - old_t) + 1)
+    sampled = replace(datum(1.0), sampler_logprobs=[0.0, 0.0, -5.5, -5.0, -4.0, -7.0])
+    trainer = Trainer(tiny_policy, alg.vespo())
+    out = trainer.forward_backward([sampled], "vespo", LossConfig(is_level="token", is_cap=3.0), backward=False)
+    logp = out.logprobs[0][2:].double()
+    log_w = (logp - torch.tensor(OLD_LP[2:], dtype=torch.float64)).sum().item() + 1.0
+    phi = math.exp(3.0 + 2.0 * log_w - 3.0 * math.exp(log_w))  # A = +1: k 2, lambda 3
+    assert out.loss == pytest.approx(-phi * logp.sum().item(), rel=1e-5)  # not multiplied by w_t as well
+
+
+def test_vespo_refuses_a_sequence_level_sampler_correction():
+    with pytest.raises(ValueError, match="does not apply to vespo"):
+        alg.vespo(is_correction="sequence")
 
 
 def test_train_step_passes_the_algorithms_loss_options_and_kl_ratio(tiny_policy, monkeypatch):

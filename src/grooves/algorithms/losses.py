@@ -124,7 +124,8 @@ VESPO_LOG_W_MIN = math.log(1e-8)
 
 def vespo(logp, old_logp, advantages, mask, eps_low: float = 0.0, eps_high: float = 0.0, *,
           dual_clip: float | None = None, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
-          vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0) -> PolicyLoss:
+          vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+          is_weight: torch.Tensor | None = None) -> PolicyLoss:
     """VESPO: a smooth Gamma-shaped weight on the *sequence* ratio, without length normalisation
     (Shen et al. 2026, arXiv:2602.10693).
 
@@ -133,8 +134,14 @@ def vespo(logp, old_logp, advantages, mask, eps_low: float = 0.0, eps_high: floa
     if ``A >= 0`` else ``(k_neg, lambda_neg)``. ``phi`` rises as ``W^k`` below 1 and decays as
     ``exp(-lambda W)`` above, so neither stale nor exploded sequences dominate. ``log W`` is clamped to
     ``[ln 1e-8, 20]`` and ``phi`` computed in log space. No hard clip: ``eps_*``, ``dual_clip`` unused.
+
+    The paper's ``W`` is against the sampler ``mu``: given the sampler correction's per-token weight
+    ``is_weight`` (``~ old / mu``, truncated or masked; 0 off ``mask``), ``W_i *= prod_t is_weight_t``
+    (each log clamped to ``[ln 1e-8, 20]``, as TRL), instead of multiplying the loss by it.
     """
     log_w = (log_ratio(logp, old_logp, mask) * mask).sum(-1, keepdim=True)  # (B, 1)
+    if is_weight is not None:  # a masked (0) weight gives ln 1e-8: the sequence's phi falls to ~0
+        log_w = log_w + (torch.log(is_weight).clamp(VESPO_LOG_W_MIN, LOGRATIO_CLAMP) * mask).sum(-1, keepdim=True)
     log_w = log_w.clamp(VESPO_LOG_W_MIN, LOGRATIO_CLAMP).detach()
     adv = per_token(advantages)  # (B, 1) or (B, T)
     nonneg = adv >= 0
@@ -245,3 +252,5 @@ def kl_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, lev
 
 # Losses whose importance ratio is the sequence's (TRL's importance_sampling_level="sequence").
 SEQUENCE_RATIO_LOSSES = frozenset({"gspo"})
+# Losses that take the sampler correction's token weight as ``is_weight`` instead of being multiplied by it.
+IS_WEIGHT_LOSSES = frozenset({"vespo"})

@@ -68,6 +68,9 @@ class Algorithm(BaseModel):
     def _check(self) -> Algorithm:
         if self.eps_low > 1:
             raise ValueError("eps_low must be <= 1 (the clipped ratio cannot go below 0)")
+        if self.loss == "vespo" and self.is_correction == "sequence":
+            raise ValueError("is_correction = 'sequence' does not apply to vespo: VESPO multiplies the sampler's "
+                             "token weights into its own sequence ratio; use 'token' (or 'auto')")
         if self.dual_clip is not None and self.loss not in ("ppo_clip", "gspo"):
             raise ValueError(f"dual_clip applies to ppo_clip and gspo, not {self.loss}: CISPO's weight is "
                              "already capped at 1 + eps_high, SAPO's and VESPO's are bounded by their shape")

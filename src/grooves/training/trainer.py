@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from grooves.algorithms import LOSSES, Algorithm, k3_kl, kl_ratio
-from grooves.algorithms.losses import TINKER_LOSSES
+from grooves.algorithms.losses import IS_WEIGHT_LOSSES, TINKER_LOSSES
 from grooves.policy.logprobs import TokenBatch, completion_logprobs, shared_prefix_logprobs
 from grooves.policy.policy import Policy
 from grooves.training.checkpoint import save_checkpoint
@@ -65,14 +65,14 @@ class Trainer(RLStep):
                     logp, entropy = self._logprobs(tokens, with_entropy=config.entropy, shifted=batch.shifted)
                     mask = (micro.weights != 0).float()  # (b, T) tokens in the loss
                     old = logp.detach() if micro.old_logprobs is None else micro.old_logprobs
+                    weight = None if micro.sampler_logprobs is None else correct(out, old, micro.sampler_logprobs,
+                                                                                 mask, config)
+                    inside = weight is not None and loss_fn in IS_WEIGHT_LOSSES  # VESPO puts it in its W
                     terms = loss(logp, old, micro.advantages, mask, eps_low, eps_high, dual_clip=config.dual_clip,
-                                 **config.loss_options)
-                    per_token = terms.per_token
-                    effective = micro.weights
-                    if micro.sampler_logprobs is not None:
-                        weight = correct(out, old, micro.sampler_logprobs, mask, config)
-                        if weight is not None:
-                            per_token, effective = per_token * weight, micro.weights * weight
+                                 **config.loss_options, **({"is_weight": weight} if inside else {}))
+                    per_token, effective = terms.per_token, micro.weights
+                    if weight is not None and not inside:
+                        per_token, effective = per_token * weight, micro.weights * weight
                     if micro.ref_logprobs is not None:
                         ratio = None if config.kl_ratio is None else kl_ratio(logp, old, mask, config.kl_ratio)
                         kl = k3_kl(logp, micro.ref_logprobs, ratio)
