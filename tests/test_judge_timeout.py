@@ -52,4 +52,7 @@ required = false
     assert shown.count("reward component 'relative' failed") == 1  # once, though validation failed too
     with sqlite3.connect(tmp_path / "run" / "run.sqlite") as db:
         evidence = [json.loads(e) for (e,) in db.execute("SELECT evidence FROM alerts WHERE detector = 'reward_error'")]
+        stored = [json.loads(d) for (d,) in db.execute("SELECT data FROM trajectories WHERE split = 'train'")]
     assert len(evidence) == 1 and cause in evidence[0]["first_error"]
+    reasons = [t["metadata"]["reasons"]["relative"] for t in stored]  # each sample says why (review, dashboard)
+    assert len(reasons) == len(stored) >= 8 and all(r == f"failed: JudgeError: {cause}: Request timed out." for r in reasons)

@@ -91,6 +91,8 @@ def test_timeouts_are_retried_then_fail(fault):
     assert math.isnan(group.trajectories[0].components["q"])
     assert report.counters["q"]["retries"] == 1 and "Timeout" in report.first_error["q"]
     assert f"{fault.base_url} timed out after 0.2 s (1 retry); last: APITimeoutError" in report.first_error["q"]
+    reason = group.trajectories[0].metadata["reasons"]["q"]  # what review and the dashboard show
+    assert reason.startswith(f"failed: judge 'q': {fault.base_url} timed out after 0.2 s (1 retry)")
 
 
 def test_a_call_that_timed_out_then_failed_says_both(fault):

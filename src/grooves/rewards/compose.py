@@ -15,7 +15,8 @@ the total; when it fails (value 0) the total becomes its ``floor`` whatever the 
 and the reason is kept in ``trajectory.metadata["vetoes"]``.
 
 Failures are explicit: a component that raises, returns a non-finite value or the wrong
-number of values yields NaN for those trajectories and counts as an error. A trajectory
+number of values yields NaN for those trajectories and counts as an error; the error is the
+trajectory's reason for that component (``failed: ...``), so review and the dashboard show why. A trajectory
 whose required component is NaN gets a NaN total and the trainer leaves it out of the
 advantage (never a silent 0). A confirmed veto still sets the floor: the guard's answer
 is known whatever else failed.
@@ -290,13 +291,13 @@ def _apply(component: RewardComponent, group: Group, values: list[Any], report: 
             value, reason = value.value, value.reason
         if isinstance(value, Failed):
             report.add_error(component.name, value.error)
-            number = math.nan
+            number, reason = math.nan, f"failed: {value.error}"
         else:
             number = _as_number(value)
             if not math.isfinite(number):
-                report.add_error(component.name, f"returned {value!r} ({type(value).__name__}), "
-                                 f"expected a finite number")
-                number = math.nan
+                error = f"returned {value!r} ({type(value).__name__}), expected a finite number"
+                report.add_error(component.name, error)
+                number, reason = math.nan, f"failed: {error}"
         trajectory.components[component.name] = number
         if reason:
             trajectory.metadata.setdefault("reasons", {})[component.name] = reason
