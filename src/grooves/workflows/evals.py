@@ -19,6 +19,10 @@ Progress (a ``grooves.progress.Reporter``) counts answers over all candidates, w
 left: each local candidate's answers to every task (a batch per task set) and to the tasks it
 answers alone, each endpoint's to every task. ``eval.png`` is drawn by ``eval_chart``.
 
+Before a local candidate answers, its held-out prompts (system, tools, task, as its rollouts
+render them) are measured (``check_prompts``): one over the model's context stops the eval
+with an ``EvalError``; one over the run's ``sampling.max_prompt_length`` is a warning.
+
 Env (tool) tasks behind an endpoint run turn by turn through its chat API with the env's tools
 (``_endpoint_rollout``); their tokens are what the endpoint bills, every turn's prompt included.
 """
@@ -200,6 +204,8 @@ def _local(candidate: Candidate, run_config, heldout, latency_tasks: int, runs, 
     reporter.phase("loading", f"{candidate.name}: {spec}")
     # seed: the random-weight "tiny" base is built from it; real models ignore it.
     policy = Policy.load(spec, dtype=run_config.model.dtype, seed=run_config.seed, runs=runs)
+    for warning in check_prompts(policy, run_config, heldout, candidate.name):  # before minutes of answering
+        reporter.print(f"warning: {warning}")
     sampling = _sampling(run_config)
     groups = []
     for task_set, tasks in heldout:  # a batch per task set, as the run validates, so the numbers match
@@ -218,6 +224,26 @@ def _local(candidate: Candidate, run_config, heldout, latency_tasks: int, runs, 
         tick(candidate.name, 1)
     tokens = [(len(t.prompt_ids), sum(t.completion_mask)) for g in groups for t in g.trajectories]
     return _result(candidate, "local", groups, latencies, speeds, tokens, any(ts.env for ts, _ in heldout))
+
+
+def check_prompts(policy, run_config, heldout: list[tuple[Any, list]], name: str) -> list[str]:
+    """Raise ``EvalError`` when a held-out prompt (system, tools, task) is over ``policy``'s
+    context; return what is over the run's ``sampling.max_prompt_length`` (the limit the run
+    trains with: such a task is one it would not train on)."""
+    from grooves.policy.context import model_context, over_context, over_limit
+
+    context, limit = model_context(policy), run_config.sampling.max_prompt_length
+    lengths = []
+    for task_set, tasks in heldout:
+        tools = (task_set.env.tool_schemas() or None) if task_set.env is not None else None
+        lengths += [(str(t.get("id")), len(policy.chat_ids(task_set.render(t), tools=tools))) for t in tasks]
+    over = [(task, n) for task, n in lengths if n > context]
+    if over:
+        task, n = max(over, key=lambda pair: pair[1])
+        raise EvalError(f"candidate {name}: {len(over)} of {len(lengths)} held-out prompts are longer than the "
+                        f"model's context; the longest, {over_context(f'task {task}: the prompt', n, context)}")
+    said = [over_limit(f"task {task}: the prompt", n, limit, "sampling.max_prompt_length") for task, n in lengths]
+    return [f"candidate {name}: {line}" for line in said if line]
 
 
 def _endpoint(candidate: Candidate, run_config, heldout, tick: Callable[[str, int], None]) -> Result:
