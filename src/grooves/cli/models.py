@@ -173,24 +173,50 @@ def merge(
 
 def export(
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint to export: RUN@STEP or RUN@latest.")],
-    out_dir: Annotated[Path, typer.Option("--out", help="New folder for the PEFT adapter.")],
+    out_dir: Annotated[Path | None, typer.Option("--out", help="New folder for the PEFT adapter.")] = None,
     with_base: Annotated[Path | None, typer.Option("--with-base", help="Also write the base model as a plain "
                                                    "transformers folder here (reused if it already holds this "
                                                    "base) and point the adapter at it.")] = None,
+    gguf: Annotated[Path | None, typer.Option("--gguf", help="Write the merged model as one GGUF file here "
+                                              "(for llama.cpp's -m, Ollama's FROM), with a .Modelfile beside "
+                                              "it.")] = None,
+    gguf_lora: Annotated[Path | None, typer.Option("--gguf-lora", help="Write the adapter alone as a GGUF LoRA "
+                                                   "file here (llama.cpp's --lora, Ollama's ADAPTER), its base "
+                                                   "as NAME.base.gguf and a .Modelfile beside it.")] = None,
+    gguf_type: Annotated[str, typer.Option("--gguf-type", help="Float type of the GGUF matrices: f16 or f32 "
+                                           "(norms and LoRA files are always f32; nothing is quantised).")]
+    = "f16",
     runs: RunsOption = None,
 ) -> None:
-    """Write a checkpoint's adapter as a standard PEFT folder with a model card.
+    """Write a checkpoint's adapter as a standard PEFT folder with a model card, or as GGUF.
 
     The adapter's base_model_name_or_path is a base that plain peft + transformers load: the
     --with-base folder, else the base's own folder or hub id (for the bundled model, grooves'
-    cache folder on this machine). The model card names the exact base weights.
+    cache folder on this machine). The model card names the exact base weights. --gguf and
+    --gguf-lora write files llama.cpp and Ollama load (llama-architecture bases).
     """
     from grooves.serve.export import ExportError, export_adapter
+    from grooves.serve.gguf_export import export_gguf, export_gguf_lora
 
+    if out_dir is None and gguf is None and gguf_lora is None:
+        raise _fail("nothing to write: give --out DIR (PEFT folder), --gguf FILE or --gguf-lora FILE")
+    if with_base is not None and out_dir is None:
+        raise _fail("--with-base goes with --out (the PEFT folder that points at it)")
     try:
-        folder = export_adapter(checkpoint, out_dir, runs=runs, with_base=with_base)
+        if out_dir is not None:
+            folder = export_adapter(checkpoint, out_dir, runs=runs, with_base=with_base)
+            base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+            out.print(f"exported {checkpoint} to {folder}; its base: {base} "
+                      f"(load it with peft.AutoPeftModelForCausalLM.from_pretrained)", highlight=False)
+        if gguf is not None:
+            done = export_gguf(checkpoint, gguf, runs=runs, gguf_type=gguf_type)
+            out.print(f"wrote {checkpoint} (step {done.step}) merged as {gguf_type} GGUF {done.gguf} and "
+                      f"{done.modelfile}: llama-cli -m {done.gguf}; ollama create NAME -f {done.modelfile}",
+                      highlight=False, soft_wrap=True)
+        if gguf_lora is not None:
+            done = export_gguf_lora(checkpoint, gguf_lora, runs=runs, gguf_type=gguf_type)
+            out.print(f"wrote {checkpoint} (step {done.step}) as GGUF LoRA {done.gguf}, its base {done.base} "
+                      f"and {done.modelfile}: llama-cli -m {done.base} --lora {done.gguf}; "
+                      f"ollama create NAME -f {done.modelfile}", highlight=False, soft_wrap=True)
     except (*_user_errors(), ExportError) as error:
         raise _fail(str(error)) from None
-    base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
-    out.print(f"exported {checkpoint} to {folder}; its base: {base} "
-              f"(load it with peft.AutoPeftModelForCausalLM.from_pretrained)", highlight=False)
