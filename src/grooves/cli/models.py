@@ -182,7 +182,7 @@ def export(
                                               "it.")] = None,
     gguf_lora: Annotated[Path | None, typer.Option("--gguf-lora", help="Write the adapter alone as a GGUF LoRA "
                                                    "file here (llama.cpp's --lora, Ollama's ADAPTER), its base "
-                                                   "as NAME.base.gguf and a .Modelfile beside it.")] = None,
+                                                   "beside it (a.gguf: a.base.gguf) and a .Modelfile.")] = None,
     gguf_type: Annotated[str, typer.Option("--gguf-type", help="Float type of the GGUF matrices: f16 or f32 "
                                            "(norms and LoRA files are always f32; nothing is quantised).")]
     = "f16",

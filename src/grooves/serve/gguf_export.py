@@ -311,6 +311,9 @@ class _output_file:
         fd, name = tempfile.mkstemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent)
         os.close(fd)
         self.tmp = Path(name)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o666 & ~umask)  # mkstemp makes it private; the export is an ordinary file
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
