@@ -5,10 +5,13 @@ The loss is the token-mean cross-entropy of the assistant turns' tokens (mask 1 
 ``sft_data.render_transcript``), averaged over every token of the optimizer step, so micro-
 batches (``optim.micro_batch_size``) and gradient accumulation give the gradient of the whole
 batch, as in RL. Each step's examples are sorted by length before they are cut into
-micro-batches (length bucketing: padding costs little CPU). A run folder is a ``grooves
-train`` run folder: ``config.toml``, ``metrics.jsonl``, TensorBoard, ``checkpoints/step-000N``
-(adapter, optimizer, random states, data position), one trainer at a time, ``--resume``,
-Ctrl-C saves; RL continues from it with ``[model] adapter = "RUN@STEP"``.
+micro-batches (length bucketing: padding costs little CPU); the prompt prefix a step's examples
+share runs once for all its micro-batches, and each stops at its last trained token.
+``data.max_seq_length`` cuts long transcripts (``sft_data.fit_examples``), counted and said
+before the first step. A run folder is a ``grooves train`` run folder: ``config.toml``,
+``metrics.jsonl``, TensorBoard, ``checkpoints/step-000N`` (adapter, optimizer, random states,
+data position), one trainer at a time, ``--resume``, Ctrl-C saves; RL continues from it with
+``[model] adapter = "RUN@STEP"``.
 """
 
 from __future__ import annotations
