@@ -28,7 +28,7 @@ CHATML_OLLAMA = (
 )
 
 
-def make_checkpoint(tmp_path, spec="tiny", step=3, targets="all-linear"):
+def make_checkpoint(tmp_path, spec="tiny", step=3, targets="all-linear", **lora):
     """A checkpoint saved as training saves one, with a random (non-zero) LoRA B so it matters."""
     from peft import LoraConfig, get_peft_model
 
@@ -36,7 +36,7 @@ def make_checkpoint(tmp_path, spec="tiny", step=3, targets="all-linear"):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                      init_lora_weights=False))
+                                                      init_lora_weights=False, **lora))
     checkpoint = tmp_path / "runs" / "r" / "checkpoints" / f"step-{step:04d}"
     Policy(peft_model, tokenizer, spec).save_adapter(checkpoint / "adapter")
     (checkpoint / "state.json").write_text(json.dumps({"step": step, "base_model": spec}))
@@ -169,6 +169,55 @@ def test_lora_gguf_over_its_base_gives_grooves_logits(tmp_path):
     assert modelfile[1:3] == ["FROM ./a.base.gguf", "ADAPTER ./a.gguf"]
 
 
+def test_rslora_scale_is_carried_in_alpha(tmp_path):
+    """rsLoRA scales by alpha / sqrt(r) = 8 / 2; llama.cpp by alpha / r, so alpha = 8 * 2 = 16."""
+    runs = make_checkpoint(tmp_path, targets=["q_proj"], use_rslora=True)
+    result = CliRunner().invoke(app, ["export", "r@3", "--gguf-lora", str(tmp_path / "a.gguf"),
+                                      "--gguf-type", "f32", "--runs", str(runs)])
+    assert result.exit_code == 0, result.output
+    fields, pairs, _ = read_gguf(tmp_path / "a.gguf")
+    assert fields["adapter.lora.alpha"] == 16.0
+    _, tensors, _ = read_gguf(tmp_path / "a.base.gguf")
+    for block in (0, 1):
+        name = f"blk.{block}.attn_q.weight"
+        tensors[name] = tensors[name] + 16.0 / 4 * (pairs[name + ".lora_b"] @ pairs[name + ".lora_a"])
+    policy = Policy.load("r@3", runs=runs)
+    ids = policy.chat_ids([{"role": "user", "content": "Echo: item 3"}])
+    expected, _ = grooves_logits(policy, ids)
+    got = logits_from_state("tiny", hf_state(tensors, load_model("tiny")[0].config), ids)
+    assert (got - expected).abs().max() < 1e-5
+
+
+def test_modelfile_leaves_a_template_that_is_not_chatml_to_ollama(tmp_path):
+    from grooves.policy.models import byte_tokenizer
+    from grooves.serve.modelfile import chatml_default_system, write_modelfile
+
+    tokenizer = byte_tokenizer()
+    assert chatml_default_system(tokenizer) == (True, None)
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    assert chatml_default_system(tokenizer) == (False, None)
+    text = write_modelfile(tmp_path / "m.gguf", tokenizer).read_text()
+    assert "TEMPLATE" not in text and "FROM ./m.gguf\n" in text and "reads it from the GGUF" in text
+
+
+def test_gguf_export_refuses_a_base_llama_cpp_names_differently(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grooves.policy.models import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen")
+    tokenizer.save_pretrained(tmp_path / "qwen")
+    runs = make_checkpoint(tmp_path, spec=str(tmp_path / "qwen"), targets=["q_proj"])
+    for flag in ("--gguf", "--gguf-lora"):
+        result = CliRunner().invoke(app, ["export", "r@3", flag, str(tmp_path / "q.gguf"), "--runs", str(runs)])
+        assert result.exit_code == 2 and "llama-architecture bases" in result.output and "'qwen2'" in result.output
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".q.gguf*"))
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # peft, on the embedding LoRA
 def test_gguf_export_refuses_what_it_cannot_write(tmp_path):
     runs = make_checkpoint(tmp_path)
     run = CliRunner().invoke
@@ -184,6 +233,9 @@ def test_gguf_export_refuses_what_it_cannot_write(tmp_path):
                          "--runs", str(runs)])
     assert bad_type.exit_code == 2 and "--gguf-type 'q4'" in bad_type.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "taken.gguf"]  # no temp files left
+    embedding = make_checkpoint(tmp_path / "e", targets=["embed_tokens", "q_proj"])
+    refused = run(app, ["export", "r@3", "--gguf-lora", str(tmp_path / "e.gguf"), "--runs", str(embedding)])
+    assert refused.exit_code == 2 and "LoRA on the embedding" in refused.output
 
 
 @pytest.mark.slow

@@ -234,6 +234,9 @@ def write_lora_gguf(adapter: Path, config: dict, model_config, path: Path, name:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     weights = load_file(str(adapter / "adapter_model.safetensors"))
     for key in sorted(weights):
+        if ".lora_embedding_" in key:
+            raise ExportError(f"LoRA on the embedding {key.split('.lora_embedding_')[0]!r} is not written to GGUF "
+                              f"(grooves writes LoRA on the linear layers of the blocks)")
         if ".lora_A." not in key:
             if ".lora_B." not in key:
                 raise ExportError(f"adapter tensor {key!r} is not a LoRA A or B matrix; llama.cpp cannot load it")
@@ -241,7 +244,8 @@ def write_lora_gguf(adapter: Path, config: dict, model_config, path: Path, name:
         module = key.removeprefix("base_model.model.").split(".lora_A.")[0]  # model.layers.0.self_attn.q_proj
         target = names.get_name(module + ".weight", try_suffixes=(".weight",))
         if target is None or target.startswith(("token_embd", "output.")):
-            raise ExportError(f"LoRA on {module!r} is not written to GGUF (llama.cpp: linear layers of the blocks)")
+            raise ExportError(f"LoRA on {module!r} is not written to GGUF (grooves writes LoRA on the linear "
+                              f"layers of the blocks)")
         lora_a = weights[key].float()  # (r, in)
         lora_b = _llama_order(module + ".weight", weights[key.replace(".lora_A.", ".lora_B.")].float(),
                               model_config)  # (out, r)
