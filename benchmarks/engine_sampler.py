@@ -33,7 +33,8 @@ import httpx
 
 from grooves.demo import demo_config_path
 from grooves.training.api import run_config
-from grooves.training.config import EngineConfig, load_config
+from grooves.training.config import load_config
+from grooves.training.placement import EngineConfig
 
 
 def free_port() -> int:

@@ -15,7 +15,8 @@ from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
 from grooves.training import load_config, run_config
 from grooves.training.build import load_policy, task_sets
-from grooves.training.config import ConfigError, RayConfig
+from grooves.training.config import ConfigError
+from grooves.training.placement import RayConfig
 from grooves.training.pipeline.ray_workers import RayRollouts, import_ray
 from grooves.runs.store import RunStore
 from helpers import tiny_config

@@ -125,7 +125,7 @@ def _remote_policy(cfg, resume: bool):
 
 def _ray_config(table, address: str):
     """``--ray`` alone keeps the [ray] table's address (or starts a local Ray); ``--ray ADDRESS`` sets it."""
-    from grooves.training.config import RayConfig
+    from grooves.training.placement import RayConfig
 
     table = table or RayConfig()
     return table.model_copy(update={"address": table.address if address == "local" else address})

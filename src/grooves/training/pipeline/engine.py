@@ -26,7 +26,7 @@ import torch
 from grooves.policy.engine import EngineError, EnginePolicy, EngineSampler
 from grooves.policy.policy import Policy
 from grooves.policy.sampler import Sampling
-from grooves.training.config import EngineConfig
+from grooves.training.placement import EngineConfig
 from grooves.training.pipeline.local import LocalRollouts
 from grooves.types import Group
 

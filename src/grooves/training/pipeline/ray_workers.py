@@ -31,7 +31,8 @@ import torch
 from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
 from grooves.training.build import load_policy, share_backbones, task_sets
-from grooves.training.config import ConfigError, RayConfig, RunConfig
+from grooves.training.config import ConfigError, RunConfig
+from grooves.training.placement import RayConfig
 from grooves.training.gather import rollout_groups
 from grooves.training.pipeline.local import adapter_state, load_adapter_state, merge_report
 from grooves.types import Group
