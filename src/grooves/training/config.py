@@ -324,6 +324,7 @@ def config_reference() -> str:
     sections.append(("[[mix]] (one table per task set; with [mix.tasks] and [mix.reward] as above)",
                      MixConfig, None))
     sections.append(("[backend] (sampling and training on a Tinker-compatible service)", BackendConfig, None))
+    sections.append(("[sampler] (an inference engine samples the rollouts; see docs/engine.md)", EngineConfig, None))
     for title, model, defaults in sections:
         lines += [f"## {title}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for name, field in model.model_fields.items():
