@@ -302,6 +302,19 @@ def test_a_killed_server_is_waited_for_and_the_run_goes_on(tmp_path):
 EDITS = (("dropout = 0.1", "dropout = 0.0"), ("learning_rate = 0.01", "learning_rate = 0.05"))
 
 
+def test_grooves_train_says_when_the_engine_is_gone_without_a_traceback(tmp_path):
+    from typer.testing import CliRunner
+
+    from grooves.cli import app
+
+    path = tiny_config(tmp_path, steps=1)
+    path.write_text(path.read_text() + f'\n[sampler]\nurl = "http://127.0.0.1:{free_port()}/v1"\nmax_wait = 1\n')
+    result = CliRunner().invoke(app, ["train", str(path), "--runs", str(tmp_path / "runs"), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert "sampler.url: the server did not answer /load_lora_adapter for 1 s" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_a_server_that_keeps_the_old_adapter_fires_the_sampler_detector(served, tmp_path):
     """A proxy answers every version with the run's first one: the server says it loaded each new
     adapter, but samples the old weights. The same run through the honest server raises nothing.

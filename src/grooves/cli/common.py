@@ -54,6 +54,7 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from grooves.policy.checkpoints import CheckpointError
+    from grooves.policy.engine import EngineError
     from grooves.policy.models import ModelSpecError
     from grooves.tasks.sources import TaskSourceError
     from grooves.training.config import ConfigError
@@ -61,7 +62,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from grooves.runs.lock import RunLockedError
 
     return (ConfigError, CheckpointError, ModelSpecError, TaskSourceError, RunExistsError, NothingToResumeError,
-            RunLockedError, FileNotFoundError, ModuleNotFoundError)
+            RunLockedError, FileNotFoundError, ModuleNotFoundError, EngineError)
 
 
 def num(value) -> str:
