@@ -60,7 +60,8 @@ def unpermute(weights, n_head):
 
 
 def hf_state(tensors, config):
-    state = {"model.embed_tokens.weight": tensors["token_embd.weight"], "model.norm.weight": tensors["output_norm.weight"]}
+    state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
+             "model.norm.weight": tensors["output_norm.weight"]}
     for name, value in tensors.items():
         if name.startswith("blk."):
             _, block, short, _ = name.split(".")

@@ -11,11 +11,12 @@ architecture (SmolLM2, Llama):
 
 - tensors are renamed by ``gguf.get_tensor_name_map`` (``model.layers.N.self_attn.q_proj``
   -> ``blk.N.attn_q``); the query and key rows are permuted as llama.cpp's converter does
-  (its rotary kernel pairs dimension i with i+1, Hugging Face's with i + head_dim/2). For a
+  (its rotary kernel pairs dimensions (2i, 2i+1), transformers' (i, i + head_dim/2)). For a
   LoRA pair only ``lora_b`` (the output rows) is permuted: P(W + s B A) = P W + s (P B) A.
 - a merged model stores matrices as f16 (``--gguf-type f16``, the default, llama.cpp's
   ``MOSTLY_F16``) or f32, norms always as f32; nothing is quantised. A LoRA file is f32.
-- llama.cpp scales a LoRA pair by ``adapter.lora.alpha / rank``, PEFT's ``alpha / r``.
+- llama.cpp scales a LoRA pair by ``adapter.lora.alpha / rank``, PEFT's ``alpha / r`` (for
+  rsLoRA's ``alpha / sqrt(r)`` the alpha written is ``alpha * sqrt(r)``).
 - the tokenizer: for the bundled model its GGUF's ``tokenizer.*`` keys are copied as they
   are (llama.cpp's own conversion of it); for another base they are built from its byte-level
   BPE tokenizer (``tokenizer.ggml.pre = default``). A BPE with no merges at all (grooves' tiny
