@@ -205,8 +205,16 @@ def create_app(root: Path, *, evals: Path | None = None, check_host: bool = True
     static = resources.files("grooves.dashboard").joinpath("static")
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
     app.add_middleware(RequestFilter, check_host=check_host, token=token)
-    compare_lock = threading.Lock()  # one comparison at a time: each loads models
 
+    _error_handlers(app)
+    _run_routes(app, root, static)
+    _eval_routes(app, root, evals)
+    app.state.root = root
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Errors as ``{"error": ...}`` with their status; an unexpected one is a 500 with one line."""
     @app.exception_handler(reading.RunNotFound)
     async def not_found(_request, error):
         return JSONResponse({"error": str(error)}, status_code=404)
@@ -229,6 +237,9 @@ def create_app(root: Path, *, evals: Path | None = None, check_host: bool = True
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
         return JSONResponse({"error": problems}, status_code=422)
 
+
+def _run_routes(app: FastAPI, root: Path, static) -> None:
+    """The page, the runs, a run's curves, live events, review, labels and transcripts."""
     @app.get("/", response_class=HTMLResponse)
     def page() -> str:
         return static.joinpath("index.html").read_text()
@@ -270,6 +281,11 @@ def create_app(root: Path, *, evals: Path | None = None, check_host: bool = True
     def sample(run: str, ident: Annotated[int, PathParam(ge=0, le=MAX_ID)]) -> dict:
         return reading.transcript(root, run, ident, _tokenizer(reading.run_base_spec(root, run)))
 
+
+def _eval_routes(app: FastAPI, root: Path, evals: Path) -> None:
+    """``grooves eval`` results and checkpoint comparisons (one at a time: each loads models)."""
+    compare_lock = threading.Lock()
+
     @app.get("/api/evals")
     def evaluations() -> dict:
         return {"root": str(evals), "evals": reading.list_evals(evals)}
@@ -288,9 +304,6 @@ def create_app(root: Path, *, evals: Path | None = None, check_host: bool = True
                 return comparing.compare(root, run, body.a, body.b)
             except (CheckpointError, ModelSpecError, FileNotFoundError) as error:
                 raise comparing.CompareError(str(error)) from None
-
-    app.state.root = root
-    return app
 
 
 def _events(stream) -> StreamingResponse:
