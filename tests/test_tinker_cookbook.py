@@ -39,14 +39,14 @@ pytestmark = [
 ]
 
 
-def grooves(*args: str, **kwargs) -> subprocess.Popen:
+def grooves_cli(*args: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen([sys.executable, "-c", "from grooves.cli import main; main()", *args],
                             text=True, env=env, **kwargs)
 
 
 def start_service(runs: Path, keys: Path) -> tuple[subprocess.Popen, str]:
-    proc = grooves("backend", "serve", "--model", "tiny", "--port", "0", "--keys", str(keys), "--runs", str(runs),
+    proc = grooves_cli("backend", "serve", "--model", "tiny", "--port", "0", "--keys", str(keys), "--runs", str(runs),
                    stderr=subprocess.PIPE)
     deadline, seen = time.monotonic() + 240, ""
     while time.monotonic() < deadline and proc.poll() is None:
@@ -72,10 +72,11 @@ def service(tmp_path_factory):
     keys = root / "keys.toml"
     keys.write_text(f'[tenants.alice]\nkey = "{KEY}"\n')
     # the tokenizer the user copies to the client machine: the base model's exported folder
-    assert grooves("base", "export", "--model", "tiny", str(root / "tiny")).wait(timeout=300) == 0
+    assert grooves_cli("base", "export", "--model", "tiny", str(root / "tiny")).wait(timeout=300) == 0
     proc, url = start_service(root / "runs", keys)
     try:
-        yield {"url": url, "root": root, "tokenizer": root / "tiny", "ledger": root / "runs" / "backend" / "ledger.sqlite"}
+        yield {"url": url, "root": root, "tokenizer": root / "tiny",
+               "ledger": root / "runs" / "backend" / "ledger.sqlite"}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
