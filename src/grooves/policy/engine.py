@@ -30,7 +30,7 @@ import torch
 
 from grooves.policy.decoding import _text
 from grooves.policy.rows import Past, Row
-from grooves.policy.sampler import Completion, Prompt, Sampling
+from grooves.policy.sampler import Completion, Prompt, Sampling, encode_prompt
 
 
 class EngineError(RuntimeError):
@@ -67,11 +67,7 @@ class EngineSampler:
         self.on_missing = on_missing
 
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        if prompt and isinstance(prompt[0], dict):
-            return self.policy.chat_ids(prompt)
-        return list(prompt)
+        return encode_prompt(self.policy, prompt)
 
     def generate(self, prompts: list[Prompt], n: int = 1, sampling: Sampling = Sampling(),
                  generator: torch.Generator | None = None) -> list[list[Completion]]:

@@ -44,6 +44,16 @@ class Completion:
     prefix_break: bool = False  # an engine read other prompt ids than the ones sent
 
 
+def encode_prompt(policy, prompt: Prompt) -> list[int]:
+    """A prompt's token ids: a text is one user message, messages go through the chat template,
+    token ids stay as they are."""
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if prompt and isinstance(prompt[0], dict):
+        return policy.chat_ids(prompt)
+    return list(prompt)
+
+
 class Sampler:
     """Generates completions for many prompts x ``n`` samples in one batch."""
 
@@ -52,11 +62,7 @@ class Sampler:
         self.max_batch_rows = max_batch_rows
 
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        if prompt and isinstance(prompt[0], dict):
-            return self.policy.chat_ids(prompt)
-        return list(prompt)
+        return encode_prompt(self.policy, prompt)
 
     def decode_rows(self, rows: list[Row]) -> list:
         """Decode rows that each carry their own prompt and settings, ``max_batch_rows`` at a time
