@@ -49,9 +49,10 @@ from grooves.config_base import Section
 from grooves.policy.checkpoints import runs_root
 from grooves.policy.engine import EnginePolicy, EngineSampler
 from grooves.policy.sampler import Sampling
+from grooves.rewards.config import RewardConfig
 from grooves.runs.store import write_atomic
 from grooves.serve.capture_store import CaptureStore, Captured
-from grooves.training.build import task_sets
+from grooves.training.build import build_reward, task_sets
 from grooves.training.checkpoint import latest_checkpoint
 from grooves.training.config import ConfigError, RunConfig, dump_config
 from grooves.training.gather import evaluate, rollout_groups
@@ -72,6 +73,9 @@ class LearnSection(Section):
                                  "and at least one new prompt waits (T).")
     max_prompts_per_step: int = Field(16, ge=1, description="Most prompts one step takes (bounds its memory).")
     heldout_size: int = Field(16, ge=2, description="Held-out tasks the gate scores each candidate on.")
+    heldout_reward: RewardConfig | None = Field(None, description="The reward the gate scores held-out tasks "
+                                                "with (as [reward]; default: [reward]). Give a trusted verifier here "
+                                                "when [reward] is a judge the policy could learn to game.")
     stderr_margin: float = Field(2.0, ge=0, description="Refuse a candidate whose held-out reward is below the "
                                  "current alias's by more than this many standard errors of the paired difference.")
     poll_seconds: float = Field(2.0, gt=0, description="Seconds between looks at the capture store.")
@@ -110,6 +114,7 @@ class Learner:
         self.console = console or Console(stderr=True)
         (tasks,) = task_sets(c)
         self.tasks, self.reward = tasks, tasks.reward
+        self.gate_reward = build_reward(c.learn.heldout_reward) if c.learn.heldout_reward else tasks.reward
         self.heldout = tasks.heldout[: c.learn.heldout_size]
         if len(self.heldout) < 2:
             raise ConfigError("tasks: the gate needs at least 2 held-out tasks (tasks.heldout or heldout_fraction)")
@@ -136,11 +141,9 @@ class Learner:
         stop = tuple(c.sampling.stop)
         self.sampling = Sampling(c.sampling.temperature, c.sampling.top_p, c.sampling.max_completion_length, stop)
         self.greedy = Sampling(c.sampling.val_temperature, 1.0, c.sampling.max_completion_length, stop)
-        if not self.ledger.history():
+        if not self.ledger.history():  # a restart leaves the alias where it is (an operator may have moved it)
             self.ledger.point(0, self._heldout(0)[0], "start")
             self.publisher.point(c.learn.alias, 0)
-        else:
-            self.publisher.point(c.learn.alias, self.ledger.history()[-1].step)  # a restarted server lost it
         self._recover()
 
     # --- the loop ------------------------------------------------------------------------
@@ -212,7 +215,7 @@ class Learner:
         """Greedy held-out rewards of checkpoint ``step`` (one per task) and their metrics."""
         self.sampler.model = self.publisher.servable(step)
         prompts = [self.tasks.render(t) for t in self.heldout]
-        evaluation = evaluate(self.view, self.heldout, prompts, self.reward, self.greedy, step)
+        evaluation = evaluate(self.view, self.heldout, prompts, self.gate_reward, self.greedy, step)
         return evaluation.rewards, evaluation.metrics
 
     def _gate(self, step: int) -> None:
