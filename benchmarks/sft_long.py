@@ -21,6 +21,7 @@ The three first give the same loss and gradient (``tests/test_sft_long.py`` hold
 on the tiny model); the script prints each loss.
 
     python benchmarks/sft_long.py                        # bundled SmolLM2-135M, 4 examples of <= 2,000 tokens
+    python benchmarks/sft_long.py --threads 1 --layers 6 # a busy machine: CPU time of 1 thread, 6 of 30 layers
     python benchmarks/sft_long.py --micro 4 --examples 8 --length 6000 --prefix 2500   # the size
 
 The last line is machine-readable: ``sft_long model=.. textbook=WALLs/cpu=CPUs before=.. after=.. cut=..``.
@@ -116,16 +117,27 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=800, help="Tokens of the shared system prompt.")
     parser.add_argument("--turns", type=int, default=4, help="Tool calls per transcript.")
     parser.add_argument("--trained", type=int, default=120, help="Trained tokens per transcript, about.")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1: CPU time is the work "
+                        "done, even on a busy machine; default: torch's).")
+    parser.add_argument("--layers", type=int, default=None, help="Keep only the model's first N decoder layers "
+                        "(its widths and vocabulary stay): a quicker, head-heavier stand-in.")
     parser.add_argument("--repeat", type=int, default=2, help="Steps timed per way; the fastest counts.")
     parser.add_argument("--cut", type=int, default=None, help="max_seq_length (default: 60%% of --length).")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     policy = Policy.load(args.model, lora=LoRA(rank=8), seed=0)
+    if args.layers:
+        decoder = policy.causal_lm.get_decoder()
+        decoder.layers = decoder.layers[: args.layers]
+        policy.causal_lm.config.num_hidden_layers = args.layers
     examples = transcripts(policy.causal_lm.config.vocab_size, args)
     cut = args.cut or int(args.length * 0.6)
     lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in examples]
     print(f"{args.model}: {len(examples)} examples of {min(lengths)}-{max(lengths)} tokens, {args.prefix} shared, "
           f"{sum(examples[0].completion_mask)} trained each; micro-batches of {args.micro}; "
+          f"{policy.causal_lm.config.num_hidden_layers} layers; "
           f"{torch.get_num_threads()} threads", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
