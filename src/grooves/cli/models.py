@@ -135,8 +135,13 @@ def serve(
         if capture is not None:
             from grooves.serve.capture_store import CaptureStore
 
-            store = CaptureStore(capture, max_bytes=int(capture_max_mb * (1 << 20)),
-                                 retention_s=capture_retention_days * 86400.0)
+            import sqlite3
+
+            try:
+                store = CaptureStore(capture, max_bytes=int(capture_max_mb * (1 << 20)),
+                                     retention_s=capture_retention_days * 86400.0)
+            except (OSError, sqlite3.Error) as error:
+                raise ValueError(f"--capture {capture}: cannot open the capture store ({error})") from None
         server = build_server(model, runs=runs, api_key=api_key, aliases=aliases, max_batch_rows=max_batch,
                               max_queue=max_queue, max_loaded=max_adapters, max_body_bytes=max_body_bytes,
                               lora_roots=lora_root or None, capture=store)
