@@ -221,23 +221,12 @@ class Learner:
     def _gate(self, step: int) -> None:
         learn, current = self.config.learn, self.ledger.history()[-1]
         after, metrics = self._heldout(step)
-        mean, se, before_mean, after_mean = paired(current.heldout, after)
         alerts = self.session.store.read_alerts(steps=[step])
-        if alerts:
-            reason = "; ".join(f"alert {a['detector']} ({a['severity']}): {a['message']}" for a in alerts)
-        elif not math.isfinite(mean):
-            reason = "no held-out task was scored by both checkpoints"
-        elif mean < -learn.stderr_margin * se:
-            reason = (f"held-out reward {after_mean:.3f} against {before_mean:.3f} (step {current.step}): worse by "
-                      f"{-mean:.3f}, more than {learn.stderr_margin:g} standard errors ({learn.stderr_margin * se:.3f})")
-        else:
-            reason = ""
-        decision = "out" if reason else "in"
+        decision, reason, (mean, se, before_mean, after_mean) = gate(current.heldout, after, alerts,
+                                                                     learn.stderr_margin, current.step)
         if decision == "in":
             self.publisher.point(learn.alias, step)
             self.ledger.point(step, after, "gated in")
-            reason = (f"held-out reward {after_mean:.3f} against {before_mean:.3f} (step {current.step}), "
-                      f"difference {mean:+.3f} ± {se:.3f}; no alert")
         self.ledger.record_gate(step, decision, reason, before_mean, after_mean, se)
         row = {**metrics, "learn/gated_in": float(decision == "in"), "learn/gated_out": float(decision == "out"),
                "learn/reward_before": before_mean, "learn/reward_after": after_mean, "learn/reward_diff": mean,
@@ -254,6 +243,22 @@ class Learner:
         self.ledger.close()
         self.capture.close()
         self.session.close()
+
+
+def gate(before: list[float], after: list[float], alerts: list[dict], margin: float,
+         current: int) -> tuple[str, str, tuple[float, float, float, float]]:
+    """("in" or "out", the reason, ``paired(before, after)``): out when an alert fired, when no task
+    was scored by both, or when mean(d) < -margin * SE(d); in otherwise. ``current``: the alias's step."""
+    stats = mean, se, before_mean, after_mean = paired(before, after)
+    versus = f"held-out reward {after_mean:.3f} against {before_mean:.3f} (step {current})"
+    if alerts:
+        return "out", "; ".join(f"alert {a['detector']} ({a['severity']}): {a['message']}" for a in alerts), stats
+    if not math.isfinite(mean):
+        return "out", "no held-out task was scored by both checkpoints", stats
+    if mean < -margin * se:
+        return "out", (f"{versus}: worse by {-mean:.3f}, more than {margin:g} standard errors "
+                       f"({margin * se:.3f})"), stats
+    return "in", f"{versus}, difference {mean:+.3f} ± {se:.3f}; no alert", stats
 
 
 def paired(before: list[float], after: list[float]) -> tuple[float, float, float, float]:
