@@ -200,10 +200,17 @@ def test_the_gate_refuses_a_planted_regression(trained):
     """The run's reward is swapped for a planted one that pays ten times more, and most for blank
     lines: the reward_spike detector fires, so the candidate is kept aside and prod stays."""
     root, url, prompts, _, _ = trained
-    users(url, [t["prompt"] for t in title_tasks("train")[8:12]])
+    users(url, [title_tasks("heldout")[0]["prompt"]])  # a held-out task's prompt: never trained on
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+    openai.OpenAI(base_url=url, api_key="none").chat.completions.create(model="tiny", messages=prompts[0],
+                                                                         tools=[tool], max_tokens=4)
+    users(url, [t["prompt"] for t in title_tasks("train")[8:10]])
     spike = "[monitors.reward_spike]\nmin_history = 2\n"  # the run has two steps of history
-    done = learn(root, learn_config(root, url, "e2e", "planted_hack", extra=spike), "--max-steps", "3")
+    config = learn_config(root, url, "e2e", "planted_hack", extra=spike, every_prompts=8, max_prompts_per_step=8)
+    done = learn(root, config, "--max-steps", "3")
     assert done.returncode == 0, done.stderr
+    taken = ledger(root, "e2e", "SELECT capture_id, used FROM prompts WHERE step = 3 ORDER BY capture_id")
+    assert taken == [(9, 1), (10, 1), (11, 1), (12, 1), (13, 0), (14, 0), (15, 1), (16, 1)]  # 13 held out, 14 tools
     (decision, reason), = ledger(root, "e2e", "SELECT decision, reason FROM gates WHERE step = 3")
     assert decision == "out" and reason.startswith("alert reward_spike"), reason
     assert "kept aside" in done.stderr

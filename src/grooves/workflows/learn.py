@@ -171,7 +171,7 @@ class Learner:
         used, skipped, tasks = [], [], []
         for row in captured:
             key = _key(row.messages)
-            if key in self.held_keys:
+            if key in self.held_keys or row.tools:  # held out; or tool schemas, which this loop does not send
                 skipped.append(row.id)
                 continue
             task = self.known.get(key) or {"id": f"capture-{row.id}", "prompt": row.messages}
@@ -188,7 +188,8 @@ class Learner:
             self.reward.score(groups)
         self.ledger.take(step, used, skipped, groups)
         if skipped:
-            self.console.print(f"{len(skipped)} captured prompt(s) are held-out tasks: not trained on")
+            self.console.print(f"{len(skipped)} captured prompt(s) are held-out tasks or came with tools: not "
+                               f"trained on")
         if not groups:
             return None
         self._train(step, groups)
