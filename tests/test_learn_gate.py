@@ -45,7 +45,8 @@ def test_an_alert_keeps_a_better_candidate_aside():
 
 def test_each_rollback_goes_one_checkpoint_further_back():
     rows = [AliasRow(0, [], "start"), AliasRow(1, [], "gated in"), AliasRow(2, [], "gated in"),
-            AliasRow(1, [], "rollback from step 2"), AliasRow(3, [], "gated in"), AliasRow(1, [], "rollback from step 3")]
+            AliasRow(1, [], "rollback from step 2"), AliasRow(3, [], "gated in"),
+            AliasRow(1, [], "rollback from step 3")]
     assert [r.step for r in alias_stack(rows[:3])] == [0, 1, 2]
     assert [r.step for r in alias_stack(rows[:4])] == [0, 1]
     assert [r.step for r in alias_stack(rows)] == [0, 1]
