@@ -62,6 +62,22 @@ def test_runs_list_status_and_curves(client):
     assert run["review_steps"] == {"train": [2]}
 
 
+def test_a_learn_run_charts_the_gate(client, root):
+    """A grooves learn run: the alias's and the candidate's held-out reward, and what was rolled out."""
+    learn = RunStore(root / "learner")
+    (root / "learner" / "config.toml").write_text("steps = 2\n")
+    learn.log_metrics(1, {"learn/reward_before": 0.2, "learn/reward_after": 0.3, "learn/gated_in": 1.0})
+    learn.log_metrics(2, {"learn/reward_before": 0.3, "learn/reward_after": 0.1, "learn/gated_in": 0.0})
+    learn.close()
+    charts = {c["title"]: c["lines"] for c in client.get("/api/runs/learner").json()["charts"]}
+    gate = charts["learn: held-out reward, served alias vs candidate"]
+    assert [(line["label"], line["points"]) for line in gate] == [("alias (before)", [[1, 0.2], [2, 0.3]]),
+                                                                  ("candidate", [[1, 0.3], [2, 0.1]])]
+    assert charts["learn/gated_in"][0]["points"] == [[1, 1.0], [2, 0.0]]
+    assert "learn: held-out reward, served alias vs candidate" not in {
+        c["title"] for c in client.get("/api/runs/done").json()["charts"]}
+
+
 def test_a_live_training_process_means_running(client, root):
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "since": "now"}
     (root / "paused" / ".lock.owner").write_text(json.dumps(owner))

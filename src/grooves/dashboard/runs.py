@@ -190,6 +190,12 @@ def run_detail(root: Path, name: str) -> dict[str, Any]:
               for c in components]
     charts += [{"title": metric, "lines": _lines(series, metric, f"val/{metric}")} for metric in CHARTS
                if metric in series or f"val/{metric}" in series]
+    if "learn/reward_after" in series:  # a grooves learn run: the gate's view of each step
+        charts.append({"title": "learn: held-out reward, served alias vs candidate", "lines": [
+            {"label": "alias (before)", "metric": "learn/reward_before", "points": series["learn/reward_before"]},
+            {"label": "candidate", "metric": "learn/reward_after", "points": series["learn/reward_after"]}]})
+        charts.append({"title": "learn/gated_in", "lines": [
+            {"label": "rolled out", "metric": "learn/gated_in", "points": series.get("learn/gated_in", [])}]})
     summary = run_summary(folder)
     return {**summary, "charts": charts, "alerts": _alerts(folder), "review_steps": _sample_steps(folder)}
 
