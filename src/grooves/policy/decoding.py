@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from grooves.policy.packing import _foldable_adapter, packed_linears
-from grooves.policy.prefill import _make_room, _prefill, _row_past
+from grooves.policy.prefill import _prefill, _row_past
 from grooves.policy.rows import BASE_ADAPTER, Constraint, Past, Row, RowOutput, TokenCallback, _Model
 
 __all__ = ["BASE_ADAPTER", "Constraint", "Past", "Row", "RowOutput", "TokenCallback", "decode", "pick_tokens",
@@ -40,8 +40,7 @@ def decode(policy, rows: list[Row], on_token: TokenCallback | None = None) -> li
 
 def _decode(policy, rows: list[Row], on_token: TokenCallback | None) -> list[RowOutput]:
     model = _Model(policy, rows)
-    cache, logits, attention, next_position = _prefill(model, policy.device, rows)
-    _make_room(cache, max(r.max_new_tokens for r in rows))
+    cache, logits, attention, next_position = _prefill(model, policy.device, rows, max(r.max_new_tokens for r in rows))
     active = list(range(len(rows)))  # original index of each row still in the batch
     outputs = [RowOutput("", [], [], "length") for _ in rows]
     stop_ids = policy.stop_token_ids

@@ -46,6 +46,16 @@ def _roomy_layer() -> type:
             self._keys[..., : self.length, :], self._values[..., : self.length, :] = keys, values
             self._views()
 
+        @classmethod
+        def reserved(cls, keys: torch.Tensor, values: torch.Tensor, length: int):
+            """A layer on buffers already the full size: the first ``length`` positions are in use."""
+            layer = cls.__new__(cls)
+            DynamicLayer.__init__(layer)
+            layer.device, layer.is_initialized, layer.length = keys.device, True, length
+            layer._keys, layer._values = keys, values
+            layer._views()
+            return layer
+
         def _views(self) -> None:
             self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
 
@@ -84,8 +94,9 @@ def _roomy_layer() -> type:
 SHARED_PREFIX_MIN = 64  # tokens; a shorter common beginning is not worth a separate forward
 
 
-def _prefill(model: _Model, device, rows: list[Row]):
-    """Run each distinct (prompt, adapter) once, left-padded, then give every row its own cache copy.
+def _prefill(model: _Model, device, rows: list[Row], room: int = 0):
+    """Run each distinct (prompt, adapter) once, left-padded, then give every row its own cache copy
+    with ``room`` positions reserved for the decode.
 
     Distinct prompts that begin alike for at least ``SHARED_PREFIX_MIN`` tokens under one adapter
     (an agent env's system prompt and tools, before each task's own message) run that beginning
@@ -94,7 +105,7 @@ def _prefill(model: _Model, device, rows: list[Row]):
     from transformers import DynamicCache
 
     if any(r.past is not None for r in rows):
-        return _prefill_past(model, device, rows)
+        return _prefill_past(model, device, rows, room=room)
     unique: dict[tuple, int] = {}
     row_source = [unique.setdefault((tuple(r.prompt_ids), r.adapter), len(unique)) for r in rows]
     prompts = [list(key[0]) for key in unique]
@@ -107,7 +118,7 @@ def _prefill(model: _Model, device, rows: list[Row]):
     if len(prompts) > 1 and shared >= SHARED_PREFIX_MIN:
         past = _prefix_past(model, device, prompts[0][:shared], prefill_rows[0])
         firsts = [dataclasses.replace(rows[i], past=past) for i in prefill_rows]
-        cache, logits, attention, lengths = _prefill_past(model, device, firsts, prefill_rows)
+        cache, logits, attention, lengths = _prefill_past(model, device, firsts, prefill_rows, room)
         cache.batch_select_indices(index)
         return cache, logits[index], attention[index], lengths[index]
     width = max(len(p) for p in prompts)
@@ -121,6 +132,7 @@ def _prefill(model: _Model, device, rows: list[Row]):
     logits = model(prefill_rows, input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (U, V)
     cache.batch_select_indices(index)  # (U, ...) -> (N, ...): n samples of a prompt share its prefill
+    _make_room(cache, room)
     lengths = torch.tensor([len(p) for p in prompts], device=device)[index]
     return cache, logits[index], attention[index], lengths  # next position of each row = its prompt length
 
@@ -147,12 +159,16 @@ def _prefix_past(model: _Model, device, prefix: list[int], row: int) -> Past:
     return Past([(layer.keys[0], layer.values[0]) for layer in cache.layers])
 
 
-def _prefill_past(model: _Model, device, rows: list[Row], model_rows: list[int] | None = None):
+def _prefill_past(model: _Model, device, rows: list[Row], model_rows: list[int] | None = None, room: int = 0):
     """Prefill rows that bring the KV of their prompt's prefix: only the rest of each prompt runs.
 
     The batch cache holds each row's past right-aligned after left padding, then the prompts'
     remaining tokens, left-padded too; the attention mask hides both paddings and the position
     ids continue each row's own sequence, so every row sees exactly its own tokens in order.
+    The cache is allocated once with ``room`` positions to spare for the decode (the forward and
+    every decode step write in place), and each row's past is consumed: a layer's tensors are
+    dropped from the ``Past`` as soon as they are in the batch, so the conversation's KV is held
+    once, not twice (a multi-turn rollout's memory; see ``Row.past``).
     """
     from transformers import DynamicCache
 
@@ -161,17 +177,19 @@ def _prefill_past(model: _Model, device, rows: list[Row], model_rows: list[int] 
     if any(not rest for rest in rests):
         raise ValueError("a row's past covers its whole prompt: the prompt must go on after it")
     width_past, width = max(cached), max(len(rest) for rest in rests)
-    first = next(r.past for r in rows if r.past is not None)
-    layers = []
-    for index, (keys, values) in enumerate(first.layers):
-        shape = (len(rows), keys.shape[0], width_past, keys.shape[2])
-        k, v = keys.new_zeros(shape), values.new_zeros(shape)
+    pasts = list({id(r.past): r.past for r in rows if r.past is not None}.values())  # a past may serve many rows
+    cache = DynamicCache(config=model.policy.causal_lm.config)
+    for index in range(len(pasts[0].layers)):
+        keys, values = pasts[0].layers[index]
+        shape = (len(rows), keys.shape[0], width_past + width + room, keys.shape[2])
+        k, v = keys.new_zeros(shape), values.new_zeros(shape)  # zeros: padding must stay finite under the mask
         for i, row in enumerate(rows):
             if row.past is not None:
-                k[i, :, width_past - cached[i]:] = row.past.layers[index][0]
-                v[i, :, width_past - cached[i]:] = row.past.layers[index][1]
-        layers.append((k, v))
-    cache = DynamicCache(layers, config=model.policy.causal_lm.config)
+                k[i, :, width_past - cached[i]: width_past] = row.past.layers[index][0]
+                v[i, :, width_past - cached[i]: width_past] = row.past.layers[index][1]
+        for past in pasts:
+            past.layers[index] = None
+        cache.layers[index] = _roomy_layer().reserved(k, v, width_past)
     ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     attention = torch.zeros(len(rows), width_past + width, dtype=torch.long, device=device)
     positions = torch.zeros(len(rows), width, dtype=torch.long, device=device)
@@ -185,5 +203,3 @@ def _prefill_past(model: _Model, device, rows: list[Row], model_rows: list[int] 
                    cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]  # (N, V)
     lengths = torch.tensor([len(r.prompt_ids) for r in rows], device=device)
     return cache, logits, attention, lengths
-
-

@@ -35,7 +35,7 @@ class Row:
     constraint: Constraint | None = None
     top_logprobs: int = 0
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
-    past: Past | None = None  # the KV of a prefix of prompt_ids, from an earlier decode (keep_past)
+    past: Past | None = None  # the KV of a prefix of prompt_ids, from an earlier decode (keep_past); consumed
     keep_past: bool = False  # return the row's KV (prompt and tokens but the last) as RowOutput.past
     cancelled: Callable[[], bool] | None = None  # asked after each token: True ends the row ("abort")
 
@@ -44,12 +44,15 @@ class Row:
 class Past:
     """One row's KV cache: per layer ``(keys, values)`` of shape ``(heads, length, head_dim)``, for the
     first ``length`` tokens of a sequence. A multi-turn rollout keeps it between its turns, so a
-    turn's prompt (the whole conversation) is not run through the model again."""
+    turn's prompt (the whole conversation) is not run through the model again. A decode that
+    reads it consumes it (each layer is dropped once copied into the batch): the KV is held once."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
 
     @property
     def length(self) -> int:
+        if self.layers[0] is None:
+            raise ValueError("this past was consumed by a decode: a row's KV serves one next turn")
         return self.layers[0][0].shape[1]
 
 
