@@ -89,7 +89,6 @@ def try_env(
     show_transcript(trajectory.messages, show_system)
     state = trajectory.metadata["state"]
     scores = trajectory.metadata["env_scores"]
-    total = sum(env.weights.get(k, 0.0) * v for k, v in scores.items())
     # A turn cut by its token budget is closed by an inserted end-of-turn token (mask 0).
     answer_cut = state["finish"] == "answer" and trajectory.completion_mask[-1] == 0
     how = ending(env, state, turn_tokens if answer_cut else None)
@@ -226,15 +225,16 @@ def roll_out(policy, env, task, seed, temperature, generator, turn_tokens, progr
     """One rollout by the training code (``grooves.envs.rollout``), turn by turn so that
     ``progress`` can say which turn is decoding; a first prompt too long to train on is said first."""
     from grooves.envs.rollout import advance, sampler_generate, start, trajectory
+    from grooves.policy.context import model_context, over_context
 
     generate = sampler_generate(policy, temperature, 1.0, generator)
     state = start(policy, env, task, seed)
     tokens = len(state.tokens.prompt_ids)
-    context = int(getattr(policy.causal_lm.config, "max_position_embeddings", 2048))
-    if tokens > context:  # said before minutes of decoding that could not mean anything
+    context = model_context(policy)
+    said = over_context(f"task {task.get('id')}: the prompt (system, tools, task)", tokens, context)
+    if said:  # said before minutes of decoding that could not mean anything
         env.close(state)
-        raise _fail(f"task {task.get('id')}: the prompt (system, tools, task) is {tokens} tokens, over the model's "
-                    f"context of {context}")
+        raise _fail(said)
     for warning in prompt_warnings(tokens, max_prompt_length or context, getattr(env, "prompt_budget", None)):
         err.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False, soft_wrap=True)
     try:
