@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from grooves.envs.base import Env, State
-from grooves.policy.decoding import Past, Row
+from grooves.policy.decoding import Constraint, Past, Row
 from grooves.types import Group, Task, Trajectory
 
 
@@ -51,16 +51,19 @@ Generate = Callable[[list[list[int]], list[int], list["Past | None"]], list[Turn
 
 
 def sampler_generate(policy, temperature: float = 1.0, top_p: float = 1.0,
-                     generator: torch.Generator | None = None, reuse_kv: bool = True) -> Generate:
+                     generator: torch.Generator | None = None, reuse_kv: bool = True,
+                     constrain: Callable[[int, list[int]], Constraint | None] | None = None) -> Generate:
     """The policy's batching sampler as a ``Generate`` (every row one rollout's next turn). With
     ``reuse_kv`` each turn keeps its KV cache for the rollout's next turn, so only the env's reply
-    and the new turn go through the model, not the whole conversation again."""
+    and the new turn go through the model, not the whole conversation again. ``constrain(row,
+    prompt_ids)``: a constraint for a row's turn (a benchmark forces scripted turns with it)."""
     sampler = policy.sampler()
 
     def generate(prompts: list[list[int]], budgets: list[int], pasts: list[Past | None] | None = None) -> list[Turn]:
         pasts = pasts if reuse_kv and pasts is not None else [None] * len(prompts)
-        rows = [Row(p, temperature, top_p, b, (), generator, past=past, keep_past=reuse_kv)
-                for p, b, past in zip(prompts, budgets, pasts)]
+        rows = [Row(p, temperature, top_p, b, (), generator, past=past, keep_past=reuse_kv,
+                    constraint=constrain(i, p) if constrain is not None else None)
+                for i, (p, b, past) in enumerate(zip(prompts, budgets, pasts))]
         return [Turn(o.text, o.token_ids, o.logprobs, o.finish_reason, o.past, o.prefix_break)
                 for o in sampler.decode_rows(rows)]
 
