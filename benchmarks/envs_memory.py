@@ -6,7 +6,7 @@ tokens per rollout, 96 per turn, results cut at 800 characters, micro-batches of
 answers at once), so each rollout plays the env's own demonstration instead: search, read the
 source, answer. Every turn still goes through the training sampler, with the KV cache kept
 between turns; a constraint only forces the demo's tokens, whose logprobs are the model's. Half
-of each group answers right and half wrong (another task's answer), so every group has reward
+of each group answers right and half wrong, so every group has reward
 variance and the update runs on every rollout: the memory of a real step where the SFT model
 does the task about half the time.
 
@@ -16,7 +16,7 @@ and the last line is machine-readable:
 ``envs_memory g4_mb=X g8_mb=Y g16_mb=Z`` (peak RSS in MiB).
 
     python benchmarks/envs_memory.py [--groups 4,8,16] [--tasks 4] [--steps 1]
-    python benchmarks/envs_memory.py --quick        # the tiny model, small settings (make test)
+    python benchmarks/envs_memory.py --quick        # the tiny model, one task per step (make test)
 """
 
 from __future__ import annotations
@@ -75,11 +75,12 @@ class Forced:
 
 def scripted_turns(policy, env, tasks: list[dict], group: int) -> list[list[list[int]]]:
     """Per rollout (task-major, ``group`` each), the token ids of its turns: the env's demo, with
-    the answer of the next task in every second rollout (a wrong answer: reward variance)."""
-    demos = [env.demonstrate(task) for task in tasks]
+    a wrong answer in every second rollout (reward variance)."""
+    from grooves.envs.base import call_text
+
+    wrong = call_text("answer", text="no.such_name")
     rollouts = []
-    for k, demo in enumerate(demos):
-        wrong = demos[(k + 1) % len(demos)][-1]
+    for demo in (env.demonstrate(task) for task in tasks):
         for i in range(group):
             turns = demo if i % 2 == 0 else [*demo[:-1], wrong]
             rollouts.append([policy.tokenizer.encode(t, add_special_tokens=False) + [policy.end_of_turn_id]
@@ -131,13 +132,14 @@ def child(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--groups", default="4,8,16", help="group sizes G, each in a fresh process")
-    parser.add_argument("--tasks", type=int, default=4, help="tasks per step")
+    parser.add_argument("--tasks", type=int, default=None, help="tasks per step (default 4; 1 with --quick)")
     parser.add_argument("--steps", type=int, default=1, help="RL steps per process")
     parser.add_argument("--model", default=None, help=f"model spec (default {BASE}; tiny with --quick)")
     parser.add_argument("--quick", action="store_true", help="the tiny model and short rollouts (make test)")
     parser.add_argument("--group", type=int, help=argparse.SUPPRESS)  # a child process: one G
     args = parser.parse_args()
     args.model = args.model or ("tiny" if args.quick else BASE)
+    args.tasks = args.tasks or (1 if args.quick else 4)
     if args.group is not None:
         child(args)
         return
