@@ -200,6 +200,7 @@ def export(
     cache folder on this machine). The model card names the exact base weights. --gguf and
     --gguf-lora write files llama.cpp and Ollama load (llama-architecture bases).
     """
+    from grooves.policy.checkpoints import resolve_checkpoint
     from grooves.serve.export import ExportError, export_adapter
     from grooves.serve.gguf_export import export_gguf, export_gguf_lora
 
@@ -211,8 +212,10 @@ def export(
         if out_dir is not None:
             folder = export_adapter(checkpoint, out_dir, runs=runs, with_base=with_base)
             base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
-            out.print(f"exported {checkpoint} to {folder}; its base: {base} "
-                      f"(load it with peft.AutoPeftModelForCausalLM.from_pretrained)", highlight=False)
+            step = resolve_checkpoint(checkpoint, runs).name.removeprefix("step-").lstrip("0") or "0"
+            out.print(f"exported {checkpoint} (step {step}) to {folder}; its base: {base} "
+                      f"(load it with peft.AutoPeftModelForCausalLM.from_pretrained; the card shows how)",
+                      highlight=False, soft_wrap=True)
         if gguf is not None:
             done = export_gguf(checkpoint, gguf, runs=runs, gguf_type=gguf_type)
             out.print(f"wrote {checkpoint} (step {done.step}) merged as {gguf_type} GGUF {done.gguf} and "

@@ -133,13 +133,15 @@ def model_card(checkpoint: Path, base_ref: str, provenance: dict) -> str:
         f"targets {adapter.get('target_modules')}",
         f"- reward at export: train {_num(train.get('reward/total'))} (step {train.get('step', '-')}), "
         f"held-out {_num(val.get('val/reward/total'))} (step {val.get('step', '-')})", "",
-        "Load it with plain PEFT (the base is read from `base_model_name_or_path`; edit that "
-        "field if you move the base folder):", "",
+        "Load it with plain PEFT and generate (the base is read from `base_model_name_or_path`; "
+        "edit that field if you move the base folder; run it from this folder):", "",
         "```python",
         "from peft import AutoPeftModelForCausalLM",
         "from transformers import AutoTokenizer",
-        "model = AutoPeftModelForCausalLM.from_pretrained(\"<this folder>\")",
-        f"tokenizer = AutoTokenizer.from_pretrained(\"{base_ref}\")",
+        f"model, tokenizer = AutoPeftModelForCausalLM.from_pretrained(\".\"), AutoTokenizer.from_pretrained(\"{base_ref}\")",
+        "ids = tokenizer.apply_chat_template([{\"role\": \"user\", \"content\": \"Hello!\"}], "
+        "add_generation_prompt=True, return_tensors=\"pt\", return_dict=True)",
+        "print(tokenizer.decode(model.generate(**ids, max_new_tokens=24)[0, ids[\"input_ids\"].shape[1]:]))",
         "```", "",
         f"with vLLM: `vllm serve {base_ref} --enable-lora --lora-modules {run_dir.name}=<this folder>"
         f"{_vllm_rank_flag(adapter.get('r') or 8)}` (not run in grooves' CI), or with grooves: "
