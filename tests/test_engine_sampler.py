@@ -302,6 +302,21 @@ def test_a_killed_server_is_waited_for_and_the_run_goes_on(tmp_path):
 EDITS = (("dropout = 0.1", "dropout = 0.0"), ("learning_rate = 0.01", "learning_rate = 0.05"))
 
 
+@pytest.mark.parametrize("table, message", [
+    ({"sampling": {"top_p": 0.9}}, "sampling.top_p = 0.9: an engine reports each token's logprob under the full "
+                                   "distribution"),
+    ({"train": {"max_off_policy_steps": 3}}, "sampler.keep = 3: the async pipeline samples versions up to "
+                                             "train.max_off_policy_steps = 3 behind, so keep at least 4"),
+    ({"train": {"async_sampler": "process", "max_off_policy_steps": 1}}, "train.async_sampler = 'process'"),
+    ({"ray": {}}, "[sampler] samples through an engine: leave out [backend] and [ray]"),
+])
+def test_what_an_engine_cannot_sample_is_refused_with_the_field(table, message):
+    from grooves.training.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config({"sampler": {"url": "http://127.0.0.1:9/v1"}, **table})
+
+
 def test_grooves_train_says_when_the_engine_is_gone_without_a_traceback(tmp_path):
     from typer.testing import CliRunner
 
