@@ -125,8 +125,9 @@ val_every = 2
 tensorboard = false
 kl_every = 0
 ''')
+    servers = dict(LOCAL_SERVERS)  # other tests of the session may have served other models
     run = run_config(load_config(config), runs=tmp_path / "runs", progress=False)
-    assert list(LOCAL_SERVERS.values()) == [judge_url]  # "local" reused the one server
+    assert servers[BUNDLED] == judge_url and LOCAL_SERVERS == servers  # "local" reused the one server
     assert run.step == 2
     for row in run.metrics[1:]:
         for name in ("format", "quality", "upvotes", "supported", "no_judge_talk"):
