@@ -59,6 +59,7 @@ def events(lines, count: int, timeout: float = 10.0) -> list[tuple[str, dict]]:
 
 def test_a_training_run_is_pushed_when_it_writes_and_the_stream_ends_with_it(root):
     hold(root / "live")
+    store = RunStore(root / "live")  # the trainer holds its store open (opening it touches run.sqlite)
     with ServerThread(create_app(root)) as server, httpx.Client(base_url=server.base_url.removesuffix("/v1")) as http:
         shown = http.get("/api/runs/live").json()
         assert shown["status"] == "running" and shown["version"].endswith("/training")
@@ -66,7 +67,6 @@ def test_a_training_run_is_pushed_when_it_writes_and_the_stream_ends_with_it(roo
             lines = stream.iter_lines()
             assert stream.headers["content-type"].startswith("text/event-stream")
             assert "default-src 'self'" in stream.headers["content-security-policy"]
-            store = RunStore(root / "live")
             store.log_metrics(2, {"reward/total": 0.3})  # the trainer writes a step
             store.close()
             ((name, run),) = events(lines, 1)  # nothing was sent for the version the page already had
