@@ -47,13 +47,6 @@ def test_merge_loads_in_plain_transformers_with_the_same_logits(tmp_path):
     result = CliRunner().invoke(app, ["merge", "tiny-run@latest", "--out", str(tmp_path / "merged"),
                                       "--runs", str(runs)])
     assert result.exit_code == 0, result.output
-    assert "exported tiny-run@2 (step 2) to" in result.output
-    example = card.split("```python\n", 1)[1].split("```", 1)[0]
-    assert len(example.strip().splitlines()) == 5
-    ran = subprocess.run([sys.executable, "-c", example], cwd=tmp_path / "adapter", capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
-    assert ran.returncode == 0 and ran.stdout.strip(), ran.stderr[-2000:]  # the card's example runs as shown
-
     policy = Policy.load("tiny-run@2", runs=runs)
     ids = policy.chat_ids([{"role": "user", "content": "Echo: item 3"}])
     with torch.no_grad():
@@ -125,6 +118,13 @@ def test_export_with_base_loads_in_plain_peft_with_the_same_logits(tmp_path):
     card = (tmp_path / "adapter" / "README.md").read_text()
     assert "base model: `tiny`: grooves' tiny test model: random weights from seed 0" in card
     assert f"`base_model_name_or_path`: `{(tmp_path / 'base').resolve()}`" in card
+    assert "exported tiny-run@2 (step 2) to" in result.output
+    example = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(example.strip().splitlines()) == 5
+    ran = subprocess.run([sys.executable, "-c", example], cwd=tmp_path / "adapter", capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert ran.returncode == 0 and ran.stdout.strip(), ran.stderr[-2000:]  # the card's example runs as shown
+
 
     policy = Policy.load("tiny-run@2", runs=runs)
     ids = policy.chat_ids([{"role": "user", "content": "Echo: item 3"}])
