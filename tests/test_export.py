@@ -125,7 +125,6 @@ def test_export_with_base_loads_in_plain_peft_with_the_same_logits(tmp_path):
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert ran.returncode == 0 and ran.stdout.strip(), ran.stderr[-2000:]  # the card's example runs as shown
 
-
     policy = Policy.load("tiny-run@2", runs=runs)
     ids = policy.chat_ids([{"role": "user", "content": "Echo: item 3"}])
     with torch.no_grad():
