@@ -36,9 +36,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(runs, port: int, *extra: str) -> subprocess.Popen:
-    """``grooves serve`` on the tiny model in its own process, answering once the model is loaded."""
-    proc = subprocess.Popen([sys.executable, "-c", "from grooves.cli import main; main()", "serve", "--model", "tiny",
+def start_server(runs, port: int, *extra: str, model: str = "tiny") -> subprocess.Popen:
+    """``grooves serve`` on ``model`` (the tiny one) in its own process, answering once the model is loaded."""
+    proc = subprocess.Popen([sys.executable, "-c", "from grooves.cli import main; main()", "serve", "--model", model,
                              "--port", str(port), "--runs", str(runs), *extra], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     deadline = time.monotonic() + 240
