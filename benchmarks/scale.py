@@ -8,7 +8,9 @@ The task is the demo's (titles, the bundled SmolLM2-135M-Instruct, LoRA rank 8);
 the demo's title verifier plus a pointwise LLM judge served on 127.0.0.1 that answers every
 request after a fixed 300 ms (its score: how close the title is to 6 words), with at most
 ``--judge-concurrency`` requests in flight (``reward.max_concurrency``, default 2: a
-rate-limited judge). That wait is what the async pipeline hides behind the update.
+rate-limited judge). That wait is what the async pipeline hides: the sampler process hands
+each batch to a scorer thread and samples the next one while the judge answers, and both run
+beside the update.
 
 Each mode trains the same config from the same seed for ``--steps`` steps; steps per minute
 come from the loop's own step times (``train/total_step_time``) of steps 2..N (step 1 fills
@@ -16,11 +18,19 @@ the pipeline). After training, the policies of the synchronous and the async run
 greedily on the same held-out tasks; the standard error is that of the mean per-task
 difference. The last line is machine-readable:
 
-    scale sync_spm=X async_spm=Y ray2_spm=Z heldout_sync=A heldout_async=B stderr=S
+    scale sync_spm=X async_spm=Y ray2_spm=Z heldout_sync=A heldout_async=B stderr=S async_ceiling=C
+
+``async_ceiling`` is the async run's share of the ceiling (below): ``async_spm`` over the steps
+per minute of a k = 1 step at its floor, the most async k = 1 can reach on this machine's cores
+(goal 0.90 on the recorded setting; nan with ``--no-ceiling``).
 
     pip install -e '.[ray]'
     python benchmarks/scale.py                # the recorded setting (docs/benchmarks.md)
+    python benchmarks/scale.py --judge-concurrency 1 --no-ray --no-thread   # the judge one request at a time
     python benchmarks/scale.py --quick        # a smoke check on the tiny random-weight model
+
+With the judge answering one request at a time, a step's rollouts wait twice as long for it and
+the overlap has more to hide: there the goal is async at least 1.5x the synchronous loop.
 
 The judge runs in a process of its own, as a judge service would: served from a thread of the
 trainer's process, it would share the trainer's interpreter lock with the update.
@@ -33,7 +43,8 @@ the cores the sampler process needs, while the synchronous loop is slower with `
 
 A last run trains the synchronous loop on one torch thread (``--no-ceiling`` leaves it out):
 its generation and update times, with the synchronous loop's, give the most async k = 1 can
-gain on this machine's cores, printed as the ``ceiling`` line (see ``ceiling``).
+gain on this machine's cores, printed as the ``ceiling`` line (see ``ceiling``) and, as the
+async run's share of it, ``async_ceiling``.
 
 The sampler process runs half of torch's threads (one on 2 cores). ``--async-threads N`` sets
 the trainer's torch threads (and a sampler thread's) in the async runs; the other modes keep
@@ -256,7 +267,8 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--heldout", type=int, default=32, help="held-out tasks scored after training")
-    parser.add_argument("--judge-concurrency", type=int, default=2)
+    parser.add_argument("--judge-concurrency", type=int, default=2, help="judge requests in flight (default 2; "
+                        "1: the one-at-a-time-judge workload)")
     parser.add_argument("--async-threads", type=int, default=0, help="torch threads while the async run trains "
                         "(each of its two threads, the sampler's and the trainer's, uses this many; "
                         "0 = torch's default, as for the other modes)")
@@ -293,14 +305,18 @@ def main() -> None:
     heldout_sync = statistics.fmean(x for x, _ in pairs)
     heldout_async = statistics.fmean(y for _, y in pairs)
     sync_spm = sync["spm"]
+    async_ceiling = math.nan
     if bound is not None:
         print(f"ceiling: async k = 1 cannot beat {bound[0]:.2f}x the synchronous loop on this machine now: {bound[1]}")
+        async_ceiling = async_spm / (sync["spm"] * bound[0])  # the ceiling's steps/min: 60 s over the floor
+        print(f"async/ceiling: {async_ceiling:.2f} of the most async k = 1 can reach here (goal >= 0.90)")
     print(f"async/sync throughput: {async_spm / sync_spm:.2f}x (goal >= 1.5x); with a sampler thread instead "
           f"of a process: {thread_spm / sync_spm:.2f}x; ray2/sync: "
           f"{ray2_spm / sync_spm:.2f}x; held-out async - sync: {heldout_async - heldout_sync:+.3f} "
           f"(stderr {stderr:.3f}, {len(pairs)} tasks)")
     print(f"scale sync_spm={sync_spm:.3f} async_spm={async_spm:.3f} ray2_spm={ray2_spm:.3f} "
-          f"heldout_sync={heldout_sync:.4f} heldout_async={heldout_async:.4f} stderr={stderr:.4f}")
+          f"heldout_sync={heldout_sync:.4f} heldout_async={heldout_async:.4f} stderr={stderr:.4f} "
+          f"async_ceiling={async_ceiling:.3f}")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,11 @@ A *pipeline* hands the loop the batch of each step. ``SyncPipeline`` collects it
 (k = 0, today's loop). ``AsyncPipeline`` collects in a producer thread: the batch of step b
 starts once version b-1-k is published (the adapter after b-1-k updates), so with k = 1 the
 rollouts of step s+1 run while step s updates; torch releases the GIL in its kernels and a
-judge's HTTP wait releases it too. Each batch carries the task-draw position, the sampling RNG
-state and the skipped-prompt count right after it was drawn, so a checkpoint after step s
+judge's HTTP wait releases it too. A backend that can score later (``defer_scoring``) hands
+each batch back sampled but not scored, and a scorer thread scores it while the producer samples
+the next: the generation of step s+1 does not wait for the judge's answers on step s. A batch
+reaches the loop only once scored, in order. Each batch carries the task-draw position, the
+sampling RNG state and the skipped-prompt count right after it was drawn, so a checkpoint after step s
 records the position after batch s. A resumed async run draws the same tasks for the next
 steps but samples them from the checkpoint's adapter (the uninterrupted run sampled them from
 older ones): it continues the run, it does not repeat it bit for bit.
@@ -24,8 +27,10 @@ older ones): it continues the run, it does not repeat it bit for bit.
 from __future__ import annotations
 
 import copy
+import queue
 import statistics
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -88,10 +93,15 @@ def merge_report(into: RewardReport, other: RewardReport) -> None:
 
 
 class LocalRollouts:
-    """Sample and score in this process, with the trainer's policy or (``copy=True``) a sampler copy."""
+    """Sample and score in this process, with the trainer's policy or (``copy=True``) a sampler copy.
+
+    ``defer=True``: in an async pipeline, ``rollout`` returns its groups sampled but not scored and
+    the pipeline scores them later (``unscored``), beside the next batch's sampling. Only for runs
+    whose draw does not read the rewards (no dynamic sampling) and whose reward models do not share
+    the sampling model's weights (``share_backbones``)."""
 
     def __init__(self, policy: Policy, sets: list, group_size: int, sampling: Sampling,
-                 generator: torch.Generator, *, copy: bool = False):
+                 generator: torch.Generator, *, copy: bool = False, defer: bool = False):
         self.trainer_policy = policy
         self.sets = sets
         self.policy = sampler_copy(policy) if copy else policy
@@ -100,6 +110,9 @@ class LocalRollouts:
         self.generator = generator
         self.version = 0
         self.on_phase: Callable[[str], None] = lambda phase: None  # the synchronous loop shows its phases
+        self.defer = defer
+        self._deferring = False
+        self._unscored: list[Callable[[], None]] = []
 
     def snapshot(self) -> dict[str, torch.Tensor] | None:
         """What ``apply`` needs to catch up with the trainer (nothing when sampling with its policy)."""
@@ -110,25 +123,65 @@ class LocalRollouts:
             load_adapter_state(self.policy, state)
         self.version = version
 
+    def defer_scoring(self) -> bool:
+        """From now on ``rollout`` leaves the scoring to ``unscored`` (where allowed); whether it will."""
+        self._deferring = self.defer
+        return self._deferring
+
+    def unscored(self) -> list[Callable[[], None]]:
+        """The scorings left by ``rollout`` since the last call: each scores its groups in place and
+        counts into the report that ``rollout`` was given."""
+        jobs, self._unscored = self._unscored, []
+        return jobs
+
     def rollout(self, drawn: list[tuple], step: int, round_: int, reports: dict[str, RewardReport]) -> list[Group]:
         """Groups for ``drawn`` (task set, task) pairs, scored; an env's tasks roll out with its tools."""
+        if self._deferring:
+            groups = self.sample(drawn, step, round_)
+            self._unscored.append(lambda: self.score(groups, reports))
+            return groups
         groups: list[Group] = []
-        for task_set in self.sets:
-            own: list[Task] = [t for s, t in drawn if s is task_set]
-            if not own:
-                continue
-            self.on_phase("sampling")
-            made = rollout_groups(self.policy, own, [task_set.render(t) for t in own], self.group_size,
-                                  self.sampling, self.generator, self.version, task_set.env)
-            for group in made:
-                group.metadata["task_set"] = task_set.name
+        for task_set, own in self._by_set(drawn):
+            made = self._sample_set(task_set, own)
             self.on_phase("rewarding")
             task_set.reward.score(made, reports[task_set.name])
             groups += made
         return groups
 
+    def sample(self, drawn: list[tuple], step: int, round_: int) -> list[Group]:
+        """Groups for ``drawn``, sampled and not scored (``metadata["task_set"]`` says whose reward scores them)."""
+        return [g for task_set, own in self._by_set(drawn) for g in self._sample_set(task_set, own)]
+
+    def score(self, groups: list[Group], reports: dict[str, RewardReport]) -> None:
+        """Score sampled groups in place, each with its task set's reward."""
+        for task_set in self.sets:
+            own = [g for g in groups if g.metadata.get("task_set") == task_set.name]
+            if own:
+                task_set.reward.score(own, reports[task_set.name])
+
+    def _by_set(self, drawn: list[tuple]) -> list[tuple]:
+        by_set = [(s, [t for d, t in drawn if d is s]) for s in self.sets]
+        return [(s, own) for s, own in by_set if own]
+
+    def _sample_set(self, task_set, own: list[Task]) -> list[Group]:
+        self.on_phase("sampling")
+        made = rollout_groups(self.policy, own, [task_set.render(t) for t in own], self.group_size,
+                              self.sampling, self.generator, self.version, task_set.env)
+        for group in made:
+            group.metadata["task_set"] = task_set.name
+        return made
+
     def close(self) -> None:
         pass
+
+
+def fill_in(groups: list[Group], scored: list[Group]) -> None:
+    """Copy what scoring wrote (rewards, components, metadata) from ``scored`` into the same groups."""
+    for mine, theirs in zip(groups, scored, strict=True):
+        mine.metadata.update(theirs.metadata)
+        for trajectory, other in zip(mine.trajectories, theirs.trajectories, strict=True):
+            trajectory.reward, trajectory.components = other.reward, other.components
+            trajectory.metrics, trajectory.metadata = other.metrics, other.metadata
 
 
 def staleness_metrics(groups: list[Group], trainer_step: int) -> dict[str, float]:
@@ -175,7 +228,11 @@ class SyncPipeline:
 
 
 class AsyncPipeline:
-    """k >= 1: a producer thread collects batches up to k updates ahead of the trainer."""
+    """k >= 1: a producer thread collects batches up to k updates ahead of the trainer; where the
+    backend can score later, a scorer thread scores each batch while the next is sampled.
+
+    Batch b is sampled once version b-1-k is published, and version v needs batch v trained, so at
+    most k batches are being scored while the next one is sampled; the scorer takes them in order."""
 
     def __init__(self, rollouts, produce: Produce, version: int, *, k: int, first: int, last: int,
                  lock: threading.Lock | None = None):
@@ -188,8 +245,13 @@ class AsyncPipeline:
         self._batches: dict[int, Batch] = {}
         self._error: BaseException | None = None
         self._stop = False
-        self._thread = threading.Thread(target=self._run, args=(first, last), name="grooves-sampler", daemon=True)
-        self._thread.start()
+        defer = getattr(rollouts, "defer_scoring", None)  # Ray workers score where they sample
+        self._scoring: queue.Queue | None = queue.Queue() if defer is not None and defer() else None
+        self._threads = [threading.Thread(target=self._run, args=(first, last), name="grooves-sampler", daemon=True)]
+        if self._scoring is not None:
+            self._threads.append(threading.Thread(target=self._score, name="grooves-scorer", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     def publish(self, version: int) -> None:
         """The trainer finished ``version`` updates: later batches may sample from its adapter."""
@@ -209,7 +271,8 @@ class AsyncPipeline:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
         self.rollouts.close()
 
     def _run(self, first: int, last: int) -> None:
@@ -225,11 +288,39 @@ class AsyncPipeline:
                     if version != applied:
                         self.rollouts.apply(version, state)
                         applied = version
+                    start = time.perf_counter()
                     batch = self.produce(step)
-                with self._cond:
-                    self._batches[step] = batch
-                    self._cond.notify_all()
+                if self._scoring is None:
+                    self._ready(batch)
+                else:
+                    self._scoring.put((batch, self.rollouts.unscored(), start))
         except BaseException as error:  # noqa: BLE001 - handed to the loop, which raises it
-            with self._cond:
-                self._error = error
-                self._cond.notify_all()
+            self._fail(error)
+        finally:
+            if self._scoring is not None:
+                self._scoring.put(None)
+
+    def _score(self) -> None:
+        """Score the batches in the order they were sampled; each reaches the loop once scored."""
+        while (item := self._scoring.get()) is not None:
+            batch, scorings, start = item
+            if self._stop:
+                continue
+            try:
+                for scoring in scorings:
+                    scoring()
+            except BaseException as error:  # noqa: BLE001 - handed to the loop, which raises it
+                self._fail(error)
+                return
+            batch.sample_time = time.perf_counter() - start  # sampled and scored
+            self._ready(batch)
+
+    def _ready(self, batch: Batch) -> None:
+        with self._cond:
+            self._batches[batch.step] = batch
+            self._cond.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = self._error or error
+            self._cond.notify_all()

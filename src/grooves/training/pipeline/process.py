@@ -13,6 +13,12 @@ with the version they carry. Each batch samples from a generator seeded by (run 
 sampling round), so a batch re-run after the child died samples the same completions from the
 same weights. A child that dies is started again, given the newest weights, and asked again.
 
+In the async pipeline the child samples a batch and scores it apart (``defer_scoring``): the
+scoring requests go over a second pipe to a scorer thread of the child, so the child samples the
+next batch while the judge answers on this one. A child that dies while scoring is asked again:
+the groups it was scoring are this process's. Scoring stays beside the sampling when the draw
+reads the rewards (dynamic sampling) or a reward model scores with the sampler's own weights.
+
 Because the child is spawned, a script that trains this way through the Python API must keep
 its top-level code under ``if __name__ == "__main__":`` (the ``grooves`` command does).
 """
@@ -23,6 +29,7 @@ import io
 import multiprocessing
 import os
 import random
+import threading
 import traceback
 import warnings
 from pathlib import Path
@@ -33,18 +40,22 @@ from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
 from grooves.training.build import load_policy, share_backbones, task_sets
 from grooves.training.config import RunConfig
-from grooves.training.pipeline.local import LocalRollouts, adapter_state, merge_report
+from grooves.training.pipeline.local import LocalRollouts, adapter_state, fill_in, merge_report
 from grooves.types import Group
 
 RESTARTS = 3  # a call whose child dies more often than this gives up
 
 
 class SamplerDied(RuntimeError):
-    pass
+    def __init__(self, message: str, generation: int):
+        super().__init__(message)
+        self.generation = generation  # which child died
 
 
-def serve(conn, config: RunConfig, runs: str | None, group_size: int, sampling: Sampling, threads: int) -> None:
-    """The child's loop: answer ``(method, args)`` messages until the pipe closes or ``stop`` arrives."""
+def serve(conn, scoring, config: RunConfig, runs: str | None, group_size: int, sampling: Sampling,
+          threads: int) -> None:
+    """The child: answer ``(method, args)`` on ``conn`` (apply, rollout, sample) and, on a thread of
+    its own, ``score`` on ``scoring``, until the pipe closes or ``stop`` arrives."""
     torch.set_num_threads(threads)
     try:
         sets = task_sets(config)
@@ -55,7 +66,32 @@ def serve(conn, config: RunConfig, runs: str | None, group_size: int, sampling: 
     except BaseException as error:  # noqa: BLE001 - the parent raises it
         conn.send(("error", _portable(error)))
         return
-    conn.send(("ok", None))
+    conn.send(("ok", not _scores_with(sets, policy)))
+
+    def sample(method: str, args: tuple):
+        if method == "apply":
+            version, packed = args
+            return rollouts.apply(version, torch.load(io.BytesIO(packed), weights_only=True))
+        units, seed, step, round_ = args
+        generator.manual_seed(seed)
+        drawn = [(sets[i], task) for i, task in units]
+        if method == "sample":
+            return rollouts.sample(drawn, step, round_)
+        reports = {s.name: RewardReport() for s in sets}
+        return rollouts.rollout(drawn, step, round_, reports), reports
+
+    def score(method: str, args: tuple):
+        (groups,) = args
+        reports = {s.name: RewardReport() for s in sets}
+        rollouts.score(groups, reports)
+        return groups, reports
+
+    threading.Thread(target=_answer, args=(scoring, score), name="grooves-scorer", daemon=True).start()
+    _answer(conn, sample)
+
+
+def _answer(conn, handle) -> None:
+    """Answer requests on ``conn`` with ``handle`` until it closes or ``stop`` arrives."""
     while True:
         try:
             method, args = conn.recv()
@@ -64,19 +100,18 @@ def serve(conn, config: RunConfig, runs: str | None, group_size: int, sampling: 
         if method == "stop":
             return
         try:
-            if method == "apply":
-                version, packed = args
-                result = rollouts.apply(version, torch.load(io.BytesIO(packed), weights_only=True))
-            else:  # rollout
-                units, seed, step, round_ = args
-                generator.manual_seed(seed)
-                reports = {s.name: RewardReport() for s in sets}
-                groups = rollouts.rollout([(sets[i], task) for i, task in units], step, round_, reports)
-                result = (groups, reports)
+            result = handle(method, args)
         except BaseException as error:  # noqa: BLE001 - the parent raises it; the child goes on
             conn.send(("error", _portable(error)))
         else:
             conn.send(("ok", result))
+
+
+def _scores_with(sets: list, policy) -> bool:
+    """Whether a reward model scores with the policy's own weights (``share_backbones``): it switches
+    the adapter off while it scores, so it must not score while the sampler generates."""
+    return any(getattr(getattr(c, "model", None), "base", None) is not None and c.model.base[0] is policy.model
+               for s in sets for c in s.reward.components)
 
 
 def _portable(error: BaseException) -> BaseException:
@@ -111,44 +146,68 @@ class ProcessRollouts:
         self.version = 0
         self._state: bytes | None = None  # the newest adapter weights, as torch.save wrote them
         self.replaced = 0  # children started again after dying (rollout/workers_replaced)
+        self._dynamic = config.algorithm.dynamic_sampling  # the draw reads the rewards: score at once
+        self._deferring = False
+        self._unscored: list = []
+        # Two threads of this process talk to the child, each over its own pipe: the sampling one
+        # (apply, rollout, sample) and the scoring one. A restart holds both pipes' locks until the
+        # new child has the newest weights; ``_generation`` counts the children.
+        self._lock, self._scoring_lock, self._restart_lock = threading.RLock(), threading.Lock(), threading.Lock()
+        self._generation = 0
         self._process = None
         self._start()
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=serve, args=(child, *self._args), name="grooves-sampler",
-                                        daemon=True)
+        self._scoring, scoring_child = context.Pipe()
+        self._process = context.Process(target=serve, args=(child, scoring_child, *self._args),
+                                        name="grooves-sampler", daemon=True)
         self._process.start()
         child.close()
-        self._receive()  # the child has loaded the policy and the task sets, or says why not
+        scoring_child.close()
+        # the child has loaded the policy and the task sets (and says whether it may score apart), or says why not
+        self._apart = self._request("hello", ())
         if self._state is not None:
             self._request("apply", (self.version, self._state))
 
-    def _receive(self):
-        try:
-            status, value = self._conn.recv()
-        except (EOFError, ConnectionError):
-            self._process.join(5)
-            raise SamplerDied(f"the sampler process ended (exit code {self._process.exitcode})") from None
+    def _request(self, method: str, args: tuple, scoring: bool = False):
+        """Ask the current child (``hello``: read its greeting); ``SamplerDied`` when it is gone."""
+        with self._scoring_lock if scoring else self._lock:
+            generation, process, conn = self._generation, self._process, self._scoring if scoring else self._conn
+            try:
+                if method != "hello":
+                    conn.send((method, args))
+                status, value = conn.recv()
+            except (EOFError, OSError):  # OSError: a broken pipe, a reset connection
+                process.join(5)
+                raise SamplerDied(f"the sampler process ended (exit code {process.exitcode})", generation) from None
         if status == "error":
             raise value
         return value
 
-    def _request(self, method: str, args: tuple):
-        self._conn.send((method, args))
-        return self._receive()
-
-    def _call(self, method: str, args: tuple):
+    def _call(self, method: str, args: tuple, scoring: bool = False):
         """``method`` in the child; a child that died is started again and asked again."""
         for attempt in range(RESTARTS + 1):
             try:
-                return self._request(method, args)
-            except (SamplerDied, BrokenPipeError) as error:
+                return self._request(method, args, scoring)
+            except SamplerDied as error:
                 if attempt == RESTARTS:
                     raise RuntimeError(f"the sampler process keeps dying ({error}); giving up") from None
+                self._restart(error.generation)
+
+    def _restart(self, generation: int) -> None:
+        """Start child ``generation + 1``, unless the other thread already has."""
+        with self._restart_lock:
+            if generation != self._generation:
+                return
+            with self._lock, self._scoring_lock:
                 self._process.join(1)
+                if self._process.is_alive():
+                    self._process.kill()
+                    self._process.join()
                 self._start()
+                self._generation += 1
                 self.replaced += 1
 
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -161,26 +220,50 @@ class ProcessRollouts:
         self.version, self._state = version, buffer.getvalue()
         self._call("apply", (version, self._state))
 
+    def defer_scoring(self) -> bool:
+        """From now on ``rollout`` returns its groups unscored and ``unscored`` scores them (see the
+        module doc); whether it will."""
+        self._deferring = not self._dynamic and self._apart
+        return self._deferring
+
+    def unscored(self) -> list:
+        """The scorings left by ``rollout`` since the last call (see ``LocalRollouts.unscored``)."""
+        jobs, self._unscored = self._unscored, []
+        return jobs
+
     def rollout(self, drawn: list[tuple], step: int, round_: int, reports: dict[str, RewardReport]) -> list[Group]:
-        """Groups for ``drawn`` (task set, task) pairs, sampled and scored in the child."""
+        """Groups for ``drawn`` (task set, task) pairs, sampled in the child and scored there, now or
+        (``defer_scoring``) when ``unscored`` asks."""
         index = {id(s): i for i, s in enumerate(self.sets)}
         units = [(index[id(s)], task) for s, task in drawn]
         seed = random.Random(f"{self.seed}:{step}:{round_}").getrandbits(63)
+        if self._deferring:
+            groups = self._call("sample", (units, seed, step, round_))
+            self._unscored.append(lambda: self._score(groups, reports))
+            return groups
         groups, theirs = self._call("rollout", (units, seed, step, round_))
         for name, report in theirs.items():
             merge_report(reports[name], report)
         return groups
 
+    def _score(self, groups: list[Group], reports: dict[str, RewardReport]) -> None:
+        scored, theirs = self._call("score", (groups,), scoring=True)
+        fill_in(groups, scored)
+        for name, report in theirs.items():
+            merge_report(reports[name], report)
+
     def close(self) -> None:
         if self._process is None:
             return
-        try:
-            self._conn.send(("stop", ()))
-        except (BrokenPipeError, OSError):
-            pass
+        for conn in (self._conn, self._scoring):
+            try:
+                conn.send(("stop", ()))
+            except (BrokenPipeError, OSError):
+                pass
         self._process.join(10)
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
         self._conn.close()
+        self._scoring.close()
         self._process = None
