@@ -308,7 +308,7 @@ EDITS = (("dropout = 0.1", "dropout = 0.0"), ("learning_rate = 0.01", "learning_
     ({"train": {"max_off_policy_steps": 3}}, "sampler.keep = 3: the async pipeline samples versions up to "
                                              "train.max_off_policy_steps = 3 behind, so keep at least 4"),
     ({"train": {"async_sampler": "process", "max_off_policy_steps": 1}}, "train.async_sampler = 'process'"),
-    ({"ray": {}}, "[sampler] samples through an engine: leave out [backend] and [ray]"),
+    ({"backend": {"url": "http://127.0.0.1:9"}}, "[sampler] samples through an engine: leave out [backend]"),
 ])
 def test_what_an_engine_cannot_sample_is_refused_with_the_field(table, message):
     from grooves.training.config import ConfigError, parse_config

@@ -229,8 +229,8 @@ class RunConfig(Section):
         return self
 
     def _check_engine(self) -> None:
-        if self.backend is not None or self.ray is not None:
-            raise ValueError("[sampler] samples through an engine: leave out [backend] and [ray]")
+        if self.backend is not None:  # with [ray], the Ray workers sample through the engines
+            raise ValueError("[sampler] samples through an engine: leave out [backend]")
         if self.train.async_sampler == "process":
             raise ValueError("train.async_sampler = 'process': with [sampler] the engine samples; leave it at "
                              "'thread'")

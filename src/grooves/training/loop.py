@@ -36,7 +36,7 @@ from grooves.tasks.sources import TaskSourceError
 from grooves.training import checkpoint as ckpt
 from grooves.training.pipeline.engine import EngineRollouts
 from grooves.training.pipeline.process import ProcessRollouts
-from grooves.training.pipeline.ray_workers import RayRollouts
+from grooves.training.pipeline.ray_workers import RayEngineRollouts, RayRollouts
 from grooves.training.pipeline.local import (AsyncPipeline, Batch, LocalRollouts, SyncPipeline, drop_after,
                                              staleness_metrics)
 from grooves.training import ddp
@@ -150,7 +150,10 @@ class TrainingRun(AlertHandling):
         """Sync or async, in this process or on Ray workers (see grooves.training.pipeline.local)."""
         k = self.config.train.max_off_policy_steps
         group_size = self.config.train.group_size
-        if self.config.sampler is not None:
+        if self.config.sampler is not None and self.config.ray is not None:  # Ray workers sample via the engines
+            rollouts = RayEngineRollouts(self.config, self.policy, self.sets, group_size, self.sampling,
+                                         self.generator, self.run_dir, version=lambda: self.trainer.step)
+        elif self.config.sampler is not None:
             rollouts = EngineRollouts(self.config.sampler, self.policy, self.sets, group_size, self.sampling,
                                       self.generator, self.run_dir, version=lambda: self.trainer.step)
         elif self.config.ray is not None:

@@ -37,18 +37,12 @@ class EngineRollouts(LocalRollouts):
     def __init__(self, config: EngineConfig, policy: Policy, sets: list, group_size: int, sampling: Sampling,
                  generator: torch.Generator, run_dir: Path, version: Callable[[], int]):
         """``version()``: the trainer's step, the version a ``snapshot`` publishes."""
-        import openai
-
-        key = os.environ.get(config.api_key_env, "") if config.api_key_env else ""
         self.config = config
         self.current_version = version
         self.run_name = run_dir.name
         self.folder = Path(config.adapters) if config.adapters else run_dir / "engine-adapters"
-        urls = config.urls
-        self.clients = [openai.OpenAI(base_url=url, api_key=key or "none", timeout=config.timeout, max_retries=0)
-                        for url in urls]
-        self.http = [httpx.Client(base_url=url.rstrip("/"), timeout=config.timeout,
-                                  headers={"Authorization": f"Bearer {key}"} if key else {}) for url in urls]
+        self.engines = Engines(config)
+        self.clients = self.engines.clients
         self.loaded: dict[str, Path] = {}  # served name -> its adapter folder, oldest first
         self.sampler = EngineSampler(policy, self.clients, "", max_concurrency=config.max_concurrency,
                                      max_wait=config.max_wait, on_missing=self.reload)
@@ -63,14 +57,15 @@ class EngineRollouts(LocalRollouts):
         if folder.exists():
             shutil.rmtree(folder)  # a resumed run writes this version again
         self.trainer_policy.save_adapter(folder)
-        self._load(name, folder)
+        for engine in range(len(self.clients)):
+            self.engines.load(engine, name, folder)
         self.loaded.pop(name, None)
         self.loaded[name] = folder
         self.gap = max(self._probe(name, engine) for engine in range(len(self.clients)))
         while len(self.loaded) > self.config.keep:
             old, old_folder = next(iter(self.loaded.items()))
-            for engine in range(len(self.http)):
-                self._admin(engine, "/unload_lora_adapter", {"lora_name": old})  # a 404 (already gone) is fine
+            for engine in range(len(self.clients)):
+                self.engines.post(engine, "/unload_lora_adapter", {"lora_name": old})  # a 404 (already gone) is fine
             shutil.rmtree(old_folder, ignore_errors=True)
             del self.loaded[old]
         return name
@@ -118,27 +113,37 @@ class EngineRollouts(LocalRollouts):
         if name not in self.loaded:
             raise EngineError(f"sampler.url: the server has no model {name!r}, and it is not a version this run "
                               f"published")
-        self._load_into(engine, name, self.loaded[name])
+        self.engines.load(engine, name, self.loaded[name])
 
     def close(self) -> None:
-        for http, client in zip(self.http, self.clients):
-            http.close()
-            client.close()
+        self.engines.close()
 
-    def _load(self, name: str, folder: Path) -> None:
-        for engine in range(len(self.http)):
-            self._load_into(engine, name, folder)
 
-    def _load_into(self, engine: int, name: str, folder: Path) -> None:
-        body = {"lora_name": name, "lora_path": str(folder.resolve())}
-        response = self._admin(engine, "/load_lora_adapter", body)
+class Engines:
+    """The engines of ``[sampler]``: an openai client (completions) and an HTTP client (vLLM's adapter
+    routes) for each URL. The API key is read from ``api_key_env`` in this process."""
+
+    def __init__(self, config: EngineConfig):
+        import openai
+
+        key = os.environ.get(config.api_key_env, "") if config.api_key_env else ""
+        self.config = config
+        self.clients = [openai.OpenAI(base_url=url, api_key=key or "none", timeout=config.timeout, max_retries=0)
+                        for url in config.urls]
+        self.http = [httpx.Client(base_url=url.rstrip("/"), timeout=config.timeout,
+                                  headers={"Authorization": f"Bearer {key}"} if key else {}) for url in config.urls]
+
+    def load(self, engine: int, name: str, folder: Path) -> None:
+        """``load_lora_adapter`` of ``folder`` as ``name`` (in place when the name is loaded already)."""
+        body = {"lora_name": name, "lora_path": str(Path(folder).resolve())}
+        response = self.post(engine, "/load_lora_adapter", body)
         if response.status_code == 400 and "already been loaded" in response.text:
-            response = self._admin(engine, "/load_lora_adapter", {**body, "load_inplace": True})
+            response = self.post(engine, "/load_lora_adapter", {**body, "load_inplace": True})
         if response.status_code != 200:
             raise EngineError(f"sampler.url: {self.config.urls[engine]} did not load adapter {name!r} from {folder} "
                               f"({response.status_code}): {response.text[:500]}")
 
-    def _admin(self, engine: int, path: str, body: dict) -> httpx.Response:
+    def post(self, engine: int, path: str, body: dict) -> httpx.Response:
         """POST to an engine's adapter route, retried while it is down or restarting (up to ``max_wait``)."""
         deadline, delay = time.monotonic() + self.config.max_wait, 0.5
         while True:
@@ -156,3 +161,8 @@ class EngineRollouts(LocalRollouts):
                 delay = min(delay * 2, 5.0)
                 continue
             return response
+
+    def close(self) -> None:
+        for http, client in zip(self.http, self.clients):
+            http.close()
+            client.close()
