@@ -1,5 +1,6 @@
 """Packed weights for the CPU decode: oneDNN-reordered copies of the frozen linear layers, with
-a training sampler's one LoRA adapter folded in (used by ``grooves.policy.decoding``)."""
+a training sampler's one LoRA adapter folded in, or a server's rows each on its own adapter
+through ``grooves.policy.lora_batch`` (used by ``grooves.policy.decoding``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import contextlib
 
 import torch
 
-from grooves.policy.rows import Row
+from grooves.policy import lora_batch
+from grooves.policy.lora_batch import RowAdapters
+from grooves.policy.rows import Row, row_adapters
 
 PACK_LINEARS = True
 """Decode through oneDNN-packed copies of the frozen linear weights on CPU (see ``packed_linears``)."""
@@ -32,7 +35,7 @@ class PackedLinear(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def packed_linears(policy, adapter: str | None = None):
+def packed_linears(policy, adapter: str | RowAdapters | None = None):
     """On a CPU in fp32, run the model's plain linear layers (LoRA base layers and the output
     head; not the LoRA matrices, which train) through oneDNN with weights packed once.
 
@@ -51,7 +54,15 @@ def packed_linears(policy, adapter: str | None = None):
     folded again when the adapter's values change (compared by value: a fused optimizer step
     does not bump a tensor's version).
     Same numbers up to float rounding: tests/test_decoding.py compares the paths.
+
+    ``adapter`` as ``RowAdapters`` (a server's rows, each naming its adapter): the LoRA layers
+    are swapped for ``lora_batch.BatchedLoRA`` over the packed base layers (``_row_adapters``),
+    on any device; the packing itself only on a CPU in fp32, as above.
     """
+    if isinstance(adapter, RowAdapters):
+        with _row_adapters(policy, adapter):
+            yield
+        return
     if not _can_pack(policy):
         yield
         return
@@ -61,29 +72,74 @@ def packed_linears(policy, adapter: str | None = None):
         for parent, name, layer in list(_lora_layers(policy.causal_lm, adapter)):
             setattr(parent, name, _folded(cache, layer, adapter))  # its base layer leaves the tree with it
             swapped.append((parent, name, layer))
-        for parent, name, linear in list(_plain_linears(policy.causal_lm)):
-            key = (id(linear), linear.weight.data_ptr(), linear.weight._version,
-                   tuple(getattr(parent, "merged_adapters", ())))
-            packed = cache.get(id(linear))
-            if packed is None or packed[0] != key:
-                cache.pop(id(parent), None)  # one packed copy of a layer at a time: drop its folded one
-                with torch.inference_mode(False), torch.no_grad():
-                    packed = (key, PackedLinear(linear.weight, linear.bias))
-                cache[id(linear)] = packed
-            setattr(parent, name, packed[1])
-            swapped.append((parent, name, linear))
+        _pack_plain_linears(policy, cache, swapped)
         yield
     finally:
         for parent, name, linear in reversed(swapped):
             setattr(parent, name, linear)
 
 
-def _foldable_adapter(policy, rows: list[Row]) -> str | None:
-    """The adapter to fold into the packed weights for ``rows``: the policy's only adapter, when
-    every row runs the model as it is (a training sampler's rows). A server names each row's
-    adapter and is not folded: with batches for the base and for adapters taking turns, every
-    turn would pack the layers again."""
-    if not policy.has_adapter or any(r.adapter is not None for r in rows):
+@contextlib.contextmanager
+def _row_adapters(policy, names: RowAdapters):
+    """A server's batch: every LoRA layer swapped for ``lora_batch.BatchedLoRA`` over the packed base
+    (or the plain one off CPU), and the selection ``_Model`` sets per forward left on the policy.
+    Nothing is folded: with batches for the base and for adapters taking turns, every turn would
+    pack the layers again. When some layer is not covered, the batch takes PEFT's path."""
+    layers = lora_batch.plan(policy.causal_lm, names)
+    if layers is None:
+        with packed_linears(policy):
+            yield
+        return
+    packing = _can_pack(policy)
+    cache = policy.__dict__.setdefault("_packed_linears", {})
+
+    def base_of(layer):
+        return _packed(cache, layer.base_layer, layer) if packing else layer.base_layer
+
+    pack = (lambda w: PackedLinear(w, None)) if packing else None
+    swaps, selection = lora_batch.batched(policy, layers, names, base_of, pack)
+    swapped = []
+    try:
+        for (parent, name, module), (_, _, layer, _) in zip(swaps, layers):
+            setattr(parent, name, module)
+            swapped.append((parent, name, layer))
+        if packing:
+            _pack_plain_linears(policy, cache, swapped)
+        policy.__dict__["_lora_selection"] = selection
+        yield
+    finally:
+        policy.__dict__.pop("_lora_selection", None)
+        for parent, name, module in reversed(swapped):
+            setattr(parent, name, module)
+
+
+def _pack_plain_linears(policy, cache: dict, swapped: list) -> None:
+    for parent, name, linear in list(_plain_linears(policy.causal_lm)):
+        setattr(parent, name, _packed(cache, linear, parent))
+        swapped.append((parent, name, linear))
+
+
+def _packed(cache: dict, linear: torch.nn.Linear, parent: torch.nn.Module) -> PackedLinear:
+    """``linear``'s packed copy, made again when its weight changed (see ``packed_linears``)."""
+    key = (id(linear), linear.weight.data_ptr(), linear.weight._version, tuple(getattr(parent, "merged_adapters", ())))
+    packed = cache.get(id(linear))
+    if packed is None or packed[0] != key:
+        cache.pop(id(parent), None)  # one packed copy of a layer at a time: drop its folded one
+        with torch.inference_mode(False), torch.no_grad():
+            packed = (key, PackedLinear(linear.weight, linear.bias))
+        cache[id(linear)] = packed
+    return packed[1]
+
+
+def _foldable_adapter(policy, rows: list[Row]) -> str | RowAdapters | None:
+    """What ``packed_linears`` does with the LoRA layers for ``rows``: fold the policy's only
+    adapter (its name) when every row runs the model as it is (a training sampler's rows);
+    swap in the batched LoRA (``RowAdapters``, each row's adapter) when rows name their
+    adapters (a server's); nothing (None) without an adapter."""
+    names = row_adapters(policy, rows)
+    if names is not None:
+        return RowAdapters(names) if lora_batch.BATCH_LORA else None
+    if not policy.has_adapter:
         return None
     names = list(getattr(policy.model, "peft_config", {}))
     return names[0] if len(names) == 1 and policy.model.active_adapter == names[0] else None

@@ -70,27 +70,41 @@ class RowOutput:
 TokenCallback = Callable[[int, int, float], None]  # (row index, token id, logprob) as each token is chosen
 
 
+def row_adapters(policy, rows: list[Row]) -> list[str] | None:
+    """Each row's adapter name (None: the active one), when the policy has adapters and some row names one."""
+    if policy.has_adapter and any(r.adapter is not None for r in rows):
+        active = policy.model.active_adapter
+        return [r.adapter or active for r in rows]
+    return None
+
+
 class _Model:
     """Calls the model with the rows' adapters.
 
-    When every row uses the same adapter (or none), the model runs plainly with that adapter
-    switched on (or all switched off); PEFT's mixed-batch path, which splits every layer's
-    input by adapter, is used only for batches that really mix adapters.
+    Inside a server's decode, ``grooves.policy.packing`` has swapped the LoRA layers for
+    batched ones (``grooves.policy.lora_batch``): the model runs once with each row on its own
+    adapter, told by the selection which rows are in each forward. Otherwise, when every row
+    uses the same adapter (or none), the model runs plainly with that adapter switched on (or
+    all switched off); PEFT's mixed-batch path, which splits every layer's input by adapter,
+    is used only for batches that really mix adapters.
     """
 
     def __init__(self, policy, rows: list[Row]):
         self.policy = policy
-        self.names = None
         if not policy.has_adapter and any(r.adapter not in (None, BASE_ADAPTER) for r in rows):
             raise ValueError("a row asks for an adapter but the model has none loaded")
-        if policy.has_adapter and any(r.adapter is not None for r in rows):
-            active = policy.model.active_adapter
-            self.names = [r.adapter or active for r in rows]
+        self.names = row_adapters(policy, rows)
+        selection = policy.__dict__.get("_lora_selection")  # set for these rows by packing.packed_linears
+        same_rows = selection is not None and self.names is not None and selection.names == tuple(self.names)
+        self.selection = selection if same_rows else None
 
     def __call__(self, active: list[int], **kwargs):
         if self.names is None:
             return self.policy.causal_lm(**kwargs)
         names = [self.names[i] for i in active]
+        if self.selection is not None:
+            self.selection.select(names)
+            return self.policy.causal_lm(**kwargs)
         if len(set(names)) > 1:
             return self.policy.model(adapter_names=names, **kwargs)
         if names[0] == BASE_ADAPTER:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from grooves.policy.checkpoints import CheckpointError, list_checkpoints, resolve_checkpoint, runs_root
 from grooves.policy.decoding import BASE_ADAPTER
+from grooves.policy.lora_batch import forget_stacks
 
 _ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -199,6 +200,7 @@ class AdapterRegistry:
     def _load(self, folder: Path, peft_name: str) -> None:
         from peft import PeftModel
 
+        forget_stacks(self.policy)  # the batched LoRA's stacks are made again for the new set
         if self.policy.has_adapter:
             self.policy.model.load_adapter(str(folder), adapter_name=peft_name)
         else:
@@ -213,6 +215,7 @@ class AdapterRegistry:
             self._unload(self._loaded.pop(victim))
 
     def _unload(self, peft_name: str) -> None:
+        forget_stacks(self.policy)
         model = self.policy.model
         if len(model.peft_config) == 1:  # the last one: back to the plain base model
             self.policy.model = model.unload()

@@ -1,10 +1,11 @@
 """The serving engine: a bounded request queue and one worker thread that batches.
 
 Requests that arrive within ``batch_window_s`` of each other are decoded as one batch (up
-to ``max_batch_rows`` samples), whatever adapters they name: PEFT runs rows of different
-adapters of the same base in one forward. The worker thread is the only one that touches
-the model, so adapter loading and unloading also run there, between batches. A full queue
-raises ``QueueFull`` at once (the server answers 429); nothing waits unboundedly.
+to ``max_batch_rows`` samples), whatever adapters they name: each row runs with its own
+adapter in one forward of the base (``grooves.policy.lora_batch``). The worker thread is the
+only one that touches the model, so adapter loading and unloading also run there, between
+batches. A full queue raises ``QueueFull`` at once (the server answers 429); nothing waits
+unboundedly.
 
 Each sample gets its own random generator (seeded from the request's ``seed`` plus the
 sample's index), so a seeded request gives the same text whatever else shares its batch.
