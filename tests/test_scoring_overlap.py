@@ -22,11 +22,13 @@ from fastapi.responses import JSONResponse
 
 from grooves.rewards.compose import RewardReport
 from grooves.serve.app import ServerThread
+from grooves.runs.store import RunStore
+from grooves.training import run_config
 from grooves.training.build import load_policy, task_sets
 from grooves.training.config import RunConfig
 from grooves.training.pipeline.local import AsyncPipeline, Batch, LocalRollouts
 from grooves.training.pipeline.process import ProcessRollouts
-from test_async import async_config
+from test_async import async_config, rows
 from test_sampler_process import sampling
 
 G = 2  # completions per task
@@ -38,6 +40,7 @@ class Judge:
     def __init__(self):
         self.release = threading.Event()
         self.fail: set[str] = set()
+        self.fail_all = False
         self.seen: list[str] = []  # task ids, as requests arrive
         self.answered = 0
         app = FastAPI()
@@ -49,7 +52,7 @@ class Judge:
             self.seen.append(task)
             await asyncio.to_thread(self.release.wait, 60)
             self.answered += 1
-            if task in self.fail:
+            if self.fail_all or task in self.fail:
                 return JSONResponse({"error": {"message": "planted failure"}}, status_code=422)
             return {"id": "judge", "object": "chat.completion", "created": int(time.time()), "model": "judge",
                     "choices": [{"index": 0, "finish_reason": "stop",
@@ -186,3 +189,24 @@ def test_a_sampler_thread_with_defer_samples_the_next_batch_while_the_judge_hold
     finally:
         judge.release.set()
         pipeline.close()
+
+
+def test_a_judge_that_fails_in_a_run_with_a_sampler_process_is_an_alert_and_nan_not_0(tmp_path, judge):
+    judge.fail_all = True
+    judge.release.set()
+    config = judged_config(tmp_path, judge.url)
+    config.steps = 2
+    run = run_config(config, out=tmp_path / "run", progress=False)
+    by_step = rows(run)
+    assert sorted(by_step) == [1, 2]
+    for row in by_step.values():
+        assert row["reward/judge/error_rate"] == 1.0 and row["reward/judge"] is None  # NaN, written as null
+    store = RunStore(tmp_path / "run")
+    try:
+        alerts = [a for a in store.read_alerts() if a["detector"] == "reward_error"]
+        stored = store.db.execute("SELECT data FROM trajectories WHERE split = 'train'").fetchall()
+    finally:
+        store.close()
+    assert len(alerts) == 1 and "422" in alerts[0]["evidence"]["first_error"]
+    assert len(stored) == 2 * 2 * 4  # 2 steps of 2 tasks x 4 (the run's group size), scored in the child
+    assert all(json.loads(d)["metadata"]["reasons"]["judge"].startswith("failed: ") for (d,) in stored)
