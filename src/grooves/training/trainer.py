@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from grooves.algorithms import LOSSES, Algorithm, k3_kl, kl_ratio
 from grooves.algorithms.losses import IS_WEIGHT_LOSSES, TINKER_LOSSES
 from grooves.policy.logprobs import TokenBatch, completion_logprobs, shared_prefix_logprobs
+from grooves.policy.packed_update import packed_update
 from grooves.policy.policy import Policy
 from grooves.training.checkpoint import save_checkpoint
 from grooves.training.config import OptimConfig
@@ -203,7 +204,8 @@ class Trainer(RLStep):
         shared = self.share_prompt and shifted and not checkpointing
         forward = shared_prefix_logprobs if shared else completion_logprobs
         width = micro.targets.shape[1]
-        logp, entropy = forward(lm, micro.trimmed(), self.temperature, with_entropy)
+        with packed_update(self.policy):  # the decode's packed weights in the forward
+            logp, entropy = forward(lm, micro.trimmed(), self.temperature, with_entropy)
         pad = lambda t: None if t is None else F.pad(t, (0, width - t.shape[1]))  # noqa: E731
         return pad(logp), pad(entropy)
 
