@@ -14,7 +14,7 @@ import logging
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 log = logging.getLogger("grooves.backend")
 
@@ -45,6 +45,21 @@ class Ordered:
     next_seq: int | None = 1  # None: restored after a restart, the next request's seq_id is taken
     accepted: dict[int, str] = field(default_factory=dict)  # seq_id -> request_id
     waiting: dict[int, tuple] = field(default_factory=dict)  # seq_id -> (future, op), until its turn
+
+
+@dataclass(frozen=True)
+class Batchable:
+    """An operation the worker may run in one batch with the others of the same ``key`` waiting at
+    the head of the tenants' queues (sampling requests for one checkpoint: one decode for all).
+
+    ``run(futures, items)`` gets the batch's futures and items and returns one result per item;
+    ``size`` is what the item adds to a batch (rows), at most ``limit`` in all."""
+
+    key: Hashable
+    item: Any
+    size: int
+    limit: int
+    run: Callable[[list[Future], list[Any]], list[Any]]
 
 
 class WorkQueue:
@@ -138,6 +153,17 @@ class WorkQueue:
         self._last_tenant = tenant
         return self._ready[tenant].popleft()
 
+    def _companions(self, op: Batchable) -> list[tuple[Future, Batchable]]:
+        """The operations of ``op``'s key waiting at the head of each tenant's queue, up to its limit
+        (taken under the lock)."""
+        taken, size = [], op.size
+        for queue in self._ready.values():
+            while queue and isinstance(queue[0][1], Batchable) and queue[0][1].key == op.key \
+                    and size + queue[0][1].size <= op.limit:
+                taken.append(queue.popleft())
+                size += taken[-1][1].size
+        return taken
+
     def _work(self) -> None:
         while True:
             with self._lock:
@@ -147,17 +173,25 @@ class WorkQueue:
                     item = self._next()
                 if item is None:
                     return
-            future, op = item
-            self.current = future
+                batch = [item, *self._companions(item[1])] if isinstance(item[1], Batchable) else [item]
+            self.current = batch[0][0]
             try:
-                future.result = op()
+                if isinstance(batch[0][1], Batchable):
+                    results = batch[0][1].run([f for f, _ in batch], [op.item for _, op in batch])
+                else:
+                    results = [batch[0][1]()]
+                for (future, _), result in zip(batch, results, strict=True):
+                    future.result = result
             except UserError as exc:
-                future.error = (str(exc), "user")
-                log.warning("request %s of tenant %s refused: %s", future.request_id, future.tenant, exc)
+                for future, _ in batch:
+                    future.error = (str(exc), "user")
+                log.warning("request %s of tenant %s refused: %s", self.current.request_id, self.current.tenant, exc)
             except Exception as exc:  # a bug or a broken model: the client gets it, the service stays up
-                future.error = (f"{type(exc).__name__}: {exc}", "server")
-                log.exception("request %s of tenant %s failed", future.request_id, future.tenant)
-            future.done.set()
+                for future, _ in batch:
+                    future.error = (f"{type(exc).__name__}: {exc}", "server")
+                log.exception("request %s of tenant %s failed", self.current.request_id, self.current.tenant)
+            for future, _ in batch:
+                future.done.set()
 
     def close(self) -> None:
         with self._lock:

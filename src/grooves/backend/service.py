@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from grooves.backend import storage
+from grooves.backend import positions, storage
 from grooves.backend.ledger import Ledger, Prices
 from grooves.backend.queue import Future, Ordered, UserError, WorkQueue
 from grooves.backend.sampling import SampleJob, SamplerAdapters, extra_stop_ids, prompt_logprobs
@@ -93,9 +93,10 @@ class Backend(WorkQueue):
         if budget is not None and self.ledger.spent(tenant, self.prices) >= budget:
             raise UserError(f"tenant {tenant!r} has spent its budget of {budget} USD", 402)
 
-    def charge(self, model: str, kind: str, *, prompt: int = 0, sampled: int = 0, trained: int = 0) -> None:
-        """Record the running request's tokens (once per request id)."""
-        future = self.current
+    def charge(self, model: str, kind: str, *, prompt: int = 0, sampled: int = 0, trained: int = 0,
+               future: Future | None = None) -> None:
+        """Record a request's tokens (once per request id): ``future``'s, else the running one's."""
+        future = future or self.current
         self.ledger.record(future.request_id, future.tenant, model, kind, prompt=prompt, sampled=sampled,
                            trained=trained)
 
@@ -197,7 +198,7 @@ class Backend(WorkQueue):
             if len(datum.tokens) > self.max_context:
                 raise UserError(f"datum {index}: {len(datum.tokens)} tokens exceed the context of {self.max_context}")
         try:
-            out = trainer.forward_backward(datums, loss_fn, config, backward=not forward_only)
+            out = positions.forward_backward(trainer, datums, loss_fn, config, backward=not forward_only)
         except ValueError as exc:
             raise UserError(str(exc)) from exc
         tokens = sum(len(d.tokens) for d in datums)
@@ -275,16 +276,34 @@ class Backend(WorkQueue):
             raise UserError(f"no sampling session {sampler!r} for this API key", 404)
         return checkpoint
 
-    def sample(self, checkpoint: Path | None, job: SampleJob):
-        """Runs on the worker: ``job.n`` completions of token ids (and the prompt's logprobs)."""
-        with self.adapters.use(self.policy, checkpoint), extra_stop_ids(self.policy, job.stop_ids):
-            completions = self.policy.sampler().generate([job.prompt], n=job.n, sampling=job.sampling)[0]
-            self.charge(storage.sampler_name(checkpoint), "sample", prompt=len(job.prompt),
-                        sampled=sum(len(c.token_ids) for c in completions))
-            scored = None
-            if job.prompt_logprobs and len(job.prompt) > 1:
-                scored = prompt_logprobs(self.policy.causal_lm, job.prompt)
-        return completions, scored
+    def sample(self, checkpoint: Path | None, futures: list[Future], jobs: list[SampleJob]) -> list[tuple]:
+        """Runs on the worker: each job's ``n`` completions (and its prompt's logprobs), every job's
+        rows in one decode; jobs of one batch share the checkpoint and the stop token ids.
+
+        Each job draws from its own seeded generator in row order, as it would alone."""
+        from grooves.policy.rows import Row
+        from grooves.policy.sampler import Completion
+
+        rows, spans = [], []
+        for job in jobs:
+            s = job.sampling
+            generator = None if s.seed is None else torch.Generator(device=self.policy.device).manual_seed(s.seed)
+            spans.append(len(rows))
+            rows += [Row(list(job.prompt), s.temperature, s.top_p, s.max_new_tokens, tuple(s.stop), generator)
+                     for _ in range(job.n)]
+        results = []
+        with self.adapters.use(self.policy, checkpoint), extra_stop_ids(self.policy, jobs[0].stop_ids):
+            outputs = self.policy.sampler().decode_rows(rows)
+            for future, job, at in zip(futures, jobs, spans, strict=True):
+                completions = [Completion(o.text, o.token_ids, o.logprobs, o.finish_reason, list(job.prompt))
+                               for o in outputs[at: at + job.n]]
+                self.charge(storage.sampler_name(checkpoint), "sample", prompt=len(job.prompt),
+                            sampled=sum(len(c.token_ids) for c in completions), future=future)
+                scored = None
+                if job.prompt_logprobs and len(job.prompt) > 1:
+                    scored = prompt_logprobs(self.policy.causal_lm, job.prompt)
+                results.append((completions, scored))
+        return results
 
 
 class _NoAlgorithm:

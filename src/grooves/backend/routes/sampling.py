@@ -8,10 +8,12 @@ from fastapi import APIRouter, Request
 from tinker import types
 
 from grooves.backend import wire
+from grooves.backend.queue import Batchable
 from grooves.backend.routes.common import backend_of, body, future_json, tenant_of
 from grooves.backend.sampling import sample_job
 
 router = APIRouter(prefix="/api/v1")
+MAX_BATCH_ROWS = 64  # sampled rows decoded together at most (the sampler's batch)
 
 
 @router.post("/create_sampling_session")
@@ -46,8 +48,12 @@ async def asample(request: Request):
     else:
         checkpoint = _checkpoint(request, req.model_path, req.base_model)
     job = sample_job(req, backend.vocab_size, backend.max_context)
-    future = backend.submit(tenant, lambda: ("proto", wire.sample_response(*backend.sample(checkpoint, job))),
-                            metered=True)
+
+    def run(futures, jobs):  # the requests for this checkpoint waiting now, decoded together
+        return [("proto", wire.sample_response(*done)) for done in backend.sample(checkpoint, futures, jobs)]
+
+    op = Batchable((checkpoint, job.stop_ids), job, job.n, MAX_BATCH_ROWS, run)
+    future = backend.submit(tenant, op, metered=True)
     if key is not None:
         sampled[key] = future.request_id
     return future_json(future, samples=req.num_samples)
