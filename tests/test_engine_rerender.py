@@ -51,18 +51,17 @@ def scripted(policy: Policy, turns: list[str]):
     return generate
 
 
-def write_agent(folder, env: Helpdesk, task: dict) -> None:
-    """The bundled tokenizer with a GPT-2 that writes ``env.demonstrate(task)`` at a rollout's positions."""
+def write_agent(folder, env: Helpdesk, task: dict) -> Policy:
+    """The bundled tokenizer with a GPT-2 that writes ``env.demonstrate(task)`` at a rollout's positions,
+    saved in ``folder``; the trainer's policy of it."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     tokenizer = AutoTokenizer.from_pretrained(bundled_folder(BUNDLED_DEFAULT))
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=WIDTH, n_layer=1, n_head=2, n_positions=2048,
                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id)
-    model = GPT2LMHeadModel(config)
-    tokenizer.save_pretrained(folder)
-    model.save_pretrained(folder)
-    policy = Policy.load(str(folder))
+    model = GPT2LMHeadModel(config).eval()
+    policy = Policy(model, tokenizer, str(folder))
     state = start(policy, env, task)
     run_states(policy, env, [state], scripted(policy, env.demonstrate(task)), turn_tokens=256)
     done = trajectory(env, state)
@@ -85,7 +84,9 @@ def write_agent(folder, env: Helpdesk, task: dict) -> None:
         for key, position in zip(keys, positions):
             gpt.wpe.weight[position] = key
             model.lm_head.weight[ids[position + 1]] += 30.0 / WIDTH ** 0.5 * key  # logit 30 after ln_f
+    tokenizer.save_pretrained(folder)
     model.save_pretrained(folder)
+    return policy
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +95,14 @@ def agent(tmp_path_factory):
     env = Helpdesk()
     task = next(t for t in env.tasks("train") if t["kind"] == "address")
     folder = tmp_path_factory.mktemp("agent") / "model"
-    write_agent(folder, env, task)
+    policy = write_agent(folder, env, task)
     runs, port = tmp_path_factory.mktemp("rerender-runs"), free_port()
     proc = start_server(runs, port, model=str(folder))
     url = f"http://127.0.0.1:{port}/v1"
     try:
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         served = client.models.list().data[0].id
-        yield Policy.load(str(folder)), env, task, client, served
+        yield policy, env, task, client, served
     finally:
         stop_server(proc)
 
@@ -121,8 +122,8 @@ def test_a_helpdesk_rollout_through_the_server_rerenders_to_the_ids_it_trains_on
     policy, env, task, client, served = agent
     from transformers import AutoTokenizer
 
-    assert policy.tokenizer.chat_template == AutoTokenizer.from_pretrained(
-        bundled_folder(BUNDLED_DEFAULT)).chat_template and not policy.native_tools  # the bundled, fallback tools
+    served_template = AutoTokenizer.from_pretrained(policy.base_spec).chat_template  # what the server loaded
+    assert served_template == policy.tokenizer.chat_template and not policy.native_tools  # bundled's: tools fall back
     engine = EngineSampler(policy, client, served)
     view = EnginePolicy(policy, engine)
     [group] = env_groups(view, env, [task], 1, sampler_generate(view, 1.0, 1.0, torch.Generator().manual_seed(0)),
