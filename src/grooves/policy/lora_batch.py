@@ -13,7 +13,8 @@ the others: the block-diagonal form of gathering each row's A and B for a batche
 without padding ranks. A base row (``BASE_ADAPTER``), or an adapter that does not adapt the
 layer, gets a zero delta. With one adapter in the batch there is no mask (the unmerged case);
 a layer no row adapts is its base alone. Dropout does nothing at inference and is left out.
-On CPU the base and both stacks are oneDNN-packed (``grooves.policy.packing``).
+On CPU the base is oneDNN-packed (``grooves.policy.packing``); the stacks are not: packing a
+matrix costs milliseconds whatever its size, and a server's batches change their adapter sets.
 
 Stacks are made per set of adapters a batch uses and kept (the last ``STACKS_KEPT`` sets),
 keyed by the adapters' names and their tensors' identities and versions; the adapter registry
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -80,34 +82,30 @@ class Selection:
 class BatchedLoRA(torch.nn.Module):
     """A LoRA linear for a batch of rows on different adapters: the base plus one masked product pair."""
 
-    def __init__(self, base: torch.nn.Module, lora_a: Callable, lora_b: Callable,
-                 layout: tuple[tuple[int, int], ...], selection: Selection, dtype: torch.dtype):
+    def __init__(self, base: torch.nn.Module, stack: _Stack, selection: Selection):
         super().__init__()
         self.base = base
-        self.lora_a, self.lora_b = lora_a, lora_b  # (R, in) and (out, R) products, packed on CPU
-        self.layout, self.selection, self.dtype = layout, selection, dtype
+        self.a, self.b = stack.a, stack.b  # (R, in) and (out, R); plain tensors, not parameters
+        self.layout, self.selection = stack.layout, selection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (N, T, out)
-        mask = self.selection.mask(self.layout, x.device, self.dtype)
+        mask = self.selection.mask(self.layout, x.device, self.a.dtype)
         if mask is False:
             return y
-        h = self.lora_a(x)  # (N, T, R)
+        h = F.linear(x, self.a)  # (N, T, R)
         if mask is not None:
             h = h * mask
-        return y.add_(self.lora_b(h))
+        return y.add_(F.linear(h, self.b))
 
 
+@dataclass(frozen=True)
 class _Stack:
-    """One layer's A and B stacks as products (plain ``F.linear`` or packed)."""
+    """One layer's stacks: ``a`` (R, in), ``b`` (out, R) with the scalings in, the columns' layout."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, layout, pack: Callable | None):
-        self.layout = layout
-        if pack is not None:
-            self.a, self.b = pack(a), pack(b)
-        else:
-            self.a = lambda x, w=a: F.linear(x, w)
-            self.b = lambda x, w=b: F.linear(x, w)
+    a: torch.Tensor
+    b: torch.Tensor
+    layout: tuple[tuple[int, int], ...]  # (adapter index in the batch, rank) per block of columns
 
 
 def eligible(layer, adapters: list[str]) -> bool:
@@ -141,17 +139,15 @@ def plan(model: torch.nn.Module, names: RowAdapters):
     return layers
 
 
-def batched(policy, layers, names: RowAdapters, base_of: Callable, pack: Callable | None):
+def batched(policy, layers, names: RowAdapters, base_of: Callable):
     """The modules to swap in for ``plan``'s layers, and the selection ``_Model`` sets per forward."""
     adapters = _adapters(names)
     selection = Selection(names, adapters)
-    stacks = _stacks(policy, layers, adapters, pack)
+    stacks = _stacks(policy, layers, adapters)
     swaps = []
-    for (parent, name, layer, here), stack in zip(layers, stacks):
+    for (parent, name, layer, _), stack in zip(layers, stacks):
         base = base_of(layer)
-        module = base if stack is None else BatchedLoRA(base, stack.a, stack.b, stack.layout, selection,
-                                                        layer.base_layer.weight.dtype)
-        swaps.append((parent, name, module))
+        swaps.append((parent, name, base if stack is None else BatchedLoRA(base, stack, selection)))
     return swaps, selection
 
 
@@ -164,26 +160,26 @@ def _adapters(names: RowAdapters) -> list[str]:
     return list(dict.fromkeys(n for n in names if n != BASE_ADAPTER))
 
 
-def _stacks(policy, layers, adapters: list[str], pack: Callable | None) -> list[_Stack | None]:
+def _stacks(policy, layers, adapters: list[str]) -> list[_Stack | None]:
     kept: OrderedDict = policy.__dict__.setdefault("_lora_stacks", OrderedDict())
     tensors = [(id(t), t._version) for _, _, layer, here in layers for a in here
                for t in (layer.lora_A[a].weight, layer.lora_B[a].weight)]
-    key = (tuple(adapters), pack is not None, tuple(tensors),
+    key = (tuple(adapters), tuple(tensors),
            tuple(layer.scaling[a] for _, _, layer, here in layers for a in here))
     if key in kept:
         kept.move_to_end(key)
         return kept[key]
     with torch.inference_mode(False), torch.no_grad():
-        stacks = [_stack(layer, here, adapters, pack) if here else None for _, _, layer, here in layers]
+        stacks = [_stack(layer, here, adapters) if here else None for _, _, layer, here in layers]
     kept[key] = stacks
     while len(kept) > STACKS_KEPT:
         kept.popitem(last=False)
     return stacks
 
 
-def _stack(layer, here: list[str], adapters: list[str], pack: Callable | None) -> _Stack:
+def _stack(layer, here: list[str], adapters: list[str]) -> _Stack:
     dtype = layer.base_layer.weight.dtype
     a = torch.cat([layer.lora_A[n].weight.to(dtype) for n in here])  # (R, in)
     b = torch.cat([layer.lora_B[n].weight.to(dtype) * layer.scaling[n] for n in here], dim=1)  # (out, R)
     layout = tuple((adapters.index(n), layer.lora_A[n].weight.shape[0]) for n in here)
-    return _Stack(a.detach().clone(), b.detach().contiguous(), layout, pack)
+    return _Stack(a.detach().clone(), b.detach().contiguous(), layout)

@@ -96,8 +96,7 @@ def _row_adapters(policy, names: RowAdapters):
     def base_of(layer):
         return _packed(cache, layer.base_layer, layer) if packing else layer.base_layer
 
-    pack = (lambda w: PackedLinear(w, None)) if packing else None
-    swaps, selection = lora_batch.batched(policy, layers, names, base_of, pack)
+    swaps, selection = lora_batch.batched(policy, layers, names, base_of)
     swapped = []
     try:
         for (parent, name, module), (_, _, layer, _) in zip(swaps, layers):
