@@ -95,13 +95,16 @@ def test_unpadded_rows_give_the_padded_batch(attention, monkeypatch):
     batch = _batch(policy)
     calls = []
     real = logprobs._packed_rows
-    monkeypatch.setattr(logprobs, "_packed_rows", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(logprobs, "_packed_rows", lambda *a: calls.append(real(*a)) or calls[-1])
     off = dict(pack=(packed_update, "PACK_UPDATE", False))
     padded = _run(policy, batch, shared_prefix_logprobs, monkeypatch, rows=(logprobs, "PACK_ROWS", False), **off)
     assert not calls
     unpadded = _run(policy, batch, shared_prefix_logprobs, monkeypatch, rows=(logprobs, "PACK_ROWS", True), **off)
-    assert calls
+    assert calls and calls[-1] is not None
     _close(padded, unpadded)
+    monkeypatch.setattr(logprobs, "PACK_ROWS_MAX", 20)  # a longer sequence pads (its attention would cost more)
+    assert _run(policy, batch, shared_prefix_logprobs, monkeypatch, **off)[0].shape == padded[0].shape
+    assert calls[-1] is None
     assert torch.allclose(completion_logprobs(policy.causal_lm, batch, 0.7)[0].detach(), unpadded[0], atol=1e-5)
 
 

@@ -9,6 +9,8 @@ Two paths give the same numbers (a test holds them to 1e-5, gradients included):
   cache is repeated for every row and the gradient flows back through it. The G completions
   of a group share their whole prompt (with ~150 prompt and ~30 completion tokens, ~3.5x fewer
   tokens); SFT transcripts of an agent env share its system prompt and tools.
+  Rows of different lengths run after the prefix as one sequence, end to end, with a
+  block-causal mask (``_packed_rows``): no padding to the longest row.
 - ``SharedPrefix(detached=True)``: the same, with the prefix run once for many micro-batches
   (an SFT step's, whose examples all begin with one system prompt and tools).
 
@@ -27,6 +29,10 @@ from grooves.types import Trajectory
 
 PACK_ROWS = True
 """Run a shared prefix's rows as one sequence without padding (``_packed_rows``)."""
+PACK_ROWS_MAX = 4096
+"""At most this many tokens in that sequence: its attention grows with the square of the total
+(every token is scored against every other, most of them masked), the padded batch's with each
+row's own length."""
 
 
 @dataclass
@@ -205,8 +211,8 @@ def _packed_rows(causal_lm, batch: TokenBatch, shared: int, last: torch.Tensor, 
     lengths = torch.where(counts > 0, batch.starts + counts - 1 - shared, 0).clamp(min=0).tolist()  # tokens each
     # row needs after the prefix: up to the one before its last trained target
     total = sum(lengths)
-    if total == 0 or total >= len(lengths) * max(lengths):  # nothing to run, or no padding to save
-        return None
+    if total == 0 or total >= len(lengths) * max(lengths) or total > PACK_ROWS_MAX:  # nothing to run, no padding
+        return None  # to save, or an attention over the whole sequence that would cost more than the padding
     segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
     offsets = torch.tensor([0] + lengths[:-1], device=device).cumsum(0)  # (B,) each row's first index
     local = torch.arange(total, device=device) - offsets[segment]  # (S,) index within its row
@@ -234,7 +240,7 @@ def _head_logprobs(causal_lm, picked, batch, temperature, with_entropy):
     the vocabulary-wide head is the costliest part of a position. Other positions are 0."""
     keep = batch.mask > 0  # (B, T)
     logits = causal_lm.get_output_embeddings()(picked[keep]).float()  # (N, V)
-    if temperature > 0:
+    if temperature > 0 and temperature != 1:  # x / 1 is x: no pass over the (N, V) logits
         logits = logits / temperature
     logp_all = F.log_softmax(logits, dim=-1)
     picked_logp = logp_all.gather(-1, batch.targets[keep][:, None]).squeeze(-1)  # (N,)
