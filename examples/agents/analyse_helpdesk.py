@@ -13,6 +13,7 @@ Stages, each adding its results to one JSON file (``--out``, default
 - ``probe``: can the model decide the refund window? Log-probabilities of the two next turns
   (``issue_refund`` or a refusal) right after the demo's ``get_order`` result, on the
   ``refund`` and ``refuse_late`` tasks, and a bare yes/no question on the same dates;
+- ``classify``: the first errors of the stored transcripts found again (no model);
 - ``report``: the markdown tables from the JSON.
 
 ``python examples/agents/analyse_helpdesk.py eval variance probe report --runs runs/issue28``
@@ -134,6 +135,8 @@ def first_error(env, task: dict, messages: list[dict], scores: dict[str, float],
         if call["name"] == "list_orders" and want["name"] == "get_order" and not call["error"]:
             continue  # the demo of a refuse_other task skips the order list; an extra look is harmless
         if call["name"] in ("find_customer", "get_order", "get_product", "list_orders") and j > 0 and not call["error"]:
+            if call["name"] == "get_order" and kind == "address":
+                return "wrong tool", f"{step} (opened an order)"
             if call["name"] == "get_order" and call["args"].get("order_id") != task["expected"]["order_id"]:
                 return "wrong arguments", f"{step} (opened another order)"
             continue  # another look-up of the right things
@@ -168,6 +171,15 @@ def stage_eval(models: list[str], runs: Path, db_seeds: list[int], results: dict
         results.setdefault("eval", {})[model] = {"seconds": round(time.time() - started, 1), "rows": rows}
         print(f"eval {model}: {sum(r['success'] for r in rows):.0f}/{len(rows)} solved, "
               f"{time.time() - started:.0f} s", flush=True)
+
+
+def stage_classify(db_seeds: list[int], results: dict) -> None:
+    """Find the first errors of the stored held-out transcripts again (after a change to ``first_error``)."""
+    tasks = {f"s{env.db_seed}:{t['id']}": (env, t) for env, ts in heldout(db_seeds) for t in ts}
+    for run in results.get("eval", {}).values():
+        for row in run["rows"]:
+            env, task = tasks[row["task_id"]]
+            row["error"], row["at"] = first_error(env, task, row["messages"], row["scores"], row["finish"])
 
 
 def stage_variance(model: str, runs: Path, n_tasks: int, group: int, results: dict) -> None:
@@ -328,7 +340,7 @@ def report(results: dict) -> str:
 def main() -> None:
     global SPEC, LIMIT
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("stages", nargs="+", choices=["eval", "variance", "probe", "report"])
+    parser.add_argument("stages", nargs="+", choices=["eval", "classify", "variance", "probe", "report"])
     parser.add_argument("--runs", type=Path, default=Path("runs/agents"), help="runs root holding the adapters")
     parser.add_argument("--out", type=Path, default=Path("runs/issue28/analysis.json"))
     parser.add_argument("--models", default="base,sft", help="comma-separated: base, sft, sft_rl")
@@ -348,6 +360,8 @@ def main() -> None:
     for stage in args.stages:
         if stage == "eval":
             stage_eval(models, args.runs, seeds, results)
+        elif stage == "classify":
+            stage_classify(seeds, results)
         elif stage == "variance":
             stage_variance(models[-1], args.runs, args.variance_tasks, args.group, results)
         elif stage == "probe":
