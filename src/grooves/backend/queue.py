@@ -12,12 +12,14 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 log = logging.getLogger("grooves.backend")
 
+BATCH_WAIT_S = 0.05  # how long a lone batchable request waits for others to join its batch
 MAX_FUTURES = 100_000  # results kept for the SDK to collect; the oldest go first
 
 
@@ -173,7 +175,14 @@ class WorkQueue:
                     item = self._next()
                 if item is None:
                     return
-                batch = [item, *self._companions(item[1])] if isinstance(item[1], Batchable) else [item]
+                batch = [item]
+                if isinstance(item[1], Batchable):
+                    batch += self._companions(item[1])
+                    # a client sends a step's requests one after the other: wait a moment for the rest
+                    deadline = time.monotonic() + BATCH_WAIT_S
+                    while len(batch) == 1 and not self._stop and (left := deadline - time.monotonic()) > 0:
+                        self._lock.wait(left)
+                        batch += self._companions(item[1])
             self.current = batch[0][0]
             try:
                 if isinstance(batch[0][1], Batchable):
