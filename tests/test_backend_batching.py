@@ -126,3 +126,26 @@ def test_waiting_requests_decode_together_with_their_own_draws(service):
         for client in clients.values():
             client.close("success").result(timeout=60)
         backend.sample = sample
+
+
+def test_a_published_checkpoint_samples_its_own_weights_after_more_training(service):
+    """The newest published weights are sampled with the training adapter itself (no copy loaded
+    from disk); once the model trains on, the same sampler must still sample the checkpoint."""
+    sdk = tinker.ServiceClient(base_url=service.base_url, api_key=service.keys["alice"])
+    try:
+        training = sdk.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+        published = training.save_weights_and_get_sampling_client().result()
+        prompt, params = types.ModelInput.from_ints([60, 61, 62]), types.SamplingParams(max_tokens=6, seed=7)
+        live = published.sample(prompt, 2, params).result().sequences
+        datum = types.Datum(model_input=types.ModelInput.from_ints([60, 61, 62, 63, 64]),
+                            loss_fn_inputs={"target_tokens": [61, 62, 63, 64, 65]})
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=0.5)).result()
+        kept = published.sample(prompt, 2, params).result().sequences
+        moved = training.save_weights_and_get_sampling_client().result().sample(prompt, 2, params).result().sequences
+    finally:
+        sdk.close("success").result(timeout=60)
+    assert [s.tokens for s in kept] == [s.tokens for s in live]
+    for a, b in zip(kept, live, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(moved[0].logprobs, live[0].logprobs)) > 1e-3  # the step changed it

@@ -132,8 +132,9 @@ class SamplerAdapters:
         self.keep = keep
         self._loaded: collections.OrderedDict[tuple, str] = collections.OrderedDict()
 
-    def use(self, policy, checkpoint: Path | None):
-        """Context: the policy samples as the base (None) or with a checkpoint's adapter."""
+    def use(self, policy, checkpoint: Path | None, live: str | None = None):
+        """Context: the policy samples as the base (None) or with a checkpoint's adapter: ``live``,
+        a loaded adapter that holds the checkpoint's weights, else one loaded from its folder."""
         from peft import PeftModel
 
         model = policy.model
@@ -142,6 +143,10 @@ class SamplerAdapters:
         weights = checkpoint / "adapter" / "adapter_model.safetensors"
         if not weights.is_file():
             raise UserError(f"the checkpoint this sampler was made from is gone ({checkpoint.name})", 404)
+        if live is not None:
+            model.set_adapter(live)
+            model.eval()
+            return contextlib.nullcontext()
         key = (checkpoint, weights.stat().st_mtime_ns)  # a checkpoint saved again under its name is new
         name = self._loaded.get(key)
         if name is None:

@@ -38,6 +38,7 @@ class TrainingModel:
     run_dir: Path
     stream: Ordered = field(default_factory=Ordered)  # its operations, in seq_id order
     last_request: float = field(default_factory=time.time)
+    version: int = 0  # bumped whenever its adapter's weights change (optim_step, load)
 
 
 class Backend(WorkQueue):
@@ -68,6 +69,7 @@ class Backend(WorkQueue):
         self.prices = prices
         self.budgets = budgets or {}
         self.adapters = SamplerAdapters()
+        self.saved: dict[Path, tuple[str, int]] = {}  # checkpoint -> (model_id, version) it was saved at
         super().__init__(max_queue, self._check_budget)
 
     # --- sessions, metering ---------------------------------------------------------
@@ -215,6 +217,7 @@ class Backend(WorkQueue):
         trainer = self.activate(model)
         grad_norm = trainer.optim_step(adam)
         trainer.step += 1
+        model.version += 1
         if grad_norm is None:
             return {"skipped_nonfinite:sum": 1.0}
         return {"grad_norm:mean": grad_norm}
@@ -249,11 +252,13 @@ class Backend(WorkQueue):
         trainer = self.activate(model)
         storage.save(self.policy, trainer, model.model_id, model.lora, self.spec, model.run_dir / kind / name,
                      with_optimizer)
+        self.saved[model.run_dir / kind / name] = (model.model_id, model.version)
         return f"tinker://{model.model_id}/{kind}/{name}"
 
     def load(self, model: TrainingModel, folder: Path, with_optimizer: bool) -> None:
         trainer = self.activate(model)
         storage.load(self.policy, trainer, model.model_id, model.lora, folder, with_optimizer)
+        model.version += 1
 
     def publish(self, model: TrainingModel) -> Path:
         """Runs on the worker: the adapter as a grooves checkpoint ``RUN@STEP`` for sampling."""
@@ -261,7 +266,16 @@ class Backend(WorkQueue):
 
         trainer = self.activate(model)
         trainer.publish(model.run_dir)
-        return model.run_dir / "checkpoints" / step_dirname(trainer.step)
+        checkpoint = model.run_dir / "checkpoints" / step_dirname(trainer.step)
+        self.saved[checkpoint] = (model.model_id, model.version)
+        return checkpoint
+
+    def live_adapter(self, checkpoint: Path | None) -> str | None:
+        """The training adapter whose weights a checkpoint still holds (saved by this service, no
+        step or load since): sampling it needs no second copy loaded from disk."""
+        model_id, version = self.saved.get(checkpoint, (None, None))
+        model = self.models.get(model_id) if model_id is not None else None
+        return model_id if model is not None and model.version == version else None
 
     # --- sampling ---------------------------------------------------------------------------
 
@@ -292,7 +306,7 @@ class Backend(WorkQueue):
             rows += [Row(list(job.prompt), s.temperature, s.top_p, s.max_new_tokens, tuple(s.stop), generator)
                      for _ in range(job.n)]
         results = []
-        with self.adapters.use(self.policy, checkpoint), extra_stop_ids(self.policy, jobs[0].stop_ids):
+        with self.adapters.use(self.policy, checkpoint, self.live_adapter(checkpoint)), extra_stop_ids(self.policy, jobs[0].stop_ids):
             outputs = self.policy.sampler().decode_rows(rows)
             for future, job, at in zip(futures, jobs, spans, strict=True):
                 completions = [Completion(o.text, o.token_ids, o.logprobs, o.finish_reason, list(job.prompt))
