@@ -15,23 +15,9 @@ from grooves.runs.store import RunStore
 from grooves.training import load_config, run_config
 from helpers import tiny_config
 from test_engine_sampler import free_port, start_server, stop_server
+from test_ray import cluster  # noqa: F401 - the module's local Ray cluster, the same fixture
 
 ray = pytest.importorskip("ray", reason="the ray extra (make test installs it)")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    for attempt in range(3):  # on a loaded machine Ray's raylet can miss its 30 s start-up window
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-                     logging_level="warning")
-            break
-        except Exception as error:  # noqa: BLE001 - Ray raises a plain Exception here
-            ray.shutdown()
-            if attempt == 2 or "timed out during startup" not in str(error):
-                raise
-    yield
-    ray.shutdown()
 
 
 def test_ray_workers_sample_through_two_engines_and_record_each_version(cluster, tmp_path):
