@@ -2,8 +2,8 @@
 subprocess answers the official ``openai`` client on the demo's title prompts, ``grooves learn``
 subprocesses train on what it captured and move the ``prod`` alias through the gate.
 
-The tiny random-weight model stands in for the bundled one (on this shared CPU the bundled model
-took 60-90 s per 12-token request), so the verifier is one the tiny model can move in a step:
+These test the loop's mechanics on the tiny random-weight model (the bundled model's end-to-end gain
+is ``tests/test_learn_bundled.py``), so the verifier is one the tiny model can move in a step:
 the share of printable ASCII characters in a completion. The planted regression pays for exactly
 what that verifier penalises."""
 
@@ -58,14 +58,11 @@ def grooves(*args: str) -> list[str]:
     return [sys.executable, "-c", "from grooves.cli import main; main()", *args]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """``grooves serve --model tiny --capture``; yields (folder, base url)."""
-    root = tmp_path_factory.mktemp("learn")
+def serve(root: Path, model: str):
+    """``grooves serve --model MODEL --capture`` in ``root``; yields the base url, kills it after."""
     (root / "runs").mkdir()
-    (root / "reward.py").write_text(REWARD_PY)
     port = free_port()
-    proc = subprocess.Popen(grooves("serve", "--model", "tiny", "--port", str(port), "--runs", str(root / "runs"),
+    proc = subprocess.Popen(grooves("serve", "--model", model, "--port", str(port), "--runs", str(root / "runs"),
                                     "--capture", str(root / "capture")),
                             stderr=(root / "serve.log").open("w"), env=ENV)
     url = f"http://127.0.0.1:{port}/v1"
@@ -78,15 +75,25 @@ def served(tmp_path_factory):
             assert proc.poll() is None, (root / "serve.log").read_text()
             assert time.monotonic() < deadline, "grooves serve did not start"
             time.sleep(0.2)
-    yield root, url
+    yield url
     proc.kill()
     proc.wait(timeout=30)
 
 
-def users(url: str, prompts: list, model: str = "tiny") -> list:
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The tiny model's server; yields (folder, base url)."""
+    root = tmp_path_factory.mktemp("learn")
+    (root / "reward.py").write_text(REWARD_PY)
+    for url in serve(root, "tiny"):
+        yield root, url
+
+
+def users(url: str, prompts: list, model: str = "tiny", max_tokens: int = 8) -> list:
     """The scripted users: one chat completion per prompt through the official client; the raw replies."""
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
-    return [client.chat.completions.with_raw_response.create(model=model, messages=p, max_tokens=8, temperature=0)
+    return [client.chat.completions.with_raw_response.create(model=model, messages=p, max_tokens=max_tokens,
+                                                             temperature=0)
             for p in prompts]
 
 
