@@ -281,6 +281,7 @@ def test_every_task_is_consistent_with_the_database(env):
         assert order["items"][0]["name"] in t["prompt"]
         assert (order["customer_id"] == customer["id"]) == (kind != "refuse_other")
         in_window = order["refund_window_ends"] >= "2024-06-30"
+        assert order["refund_window_open"] is in_window  # what get_order shows beside the date
         assert {"refund": in_window and order["status"] == "delivered", "refuse_late": not in_window,
                 "refuse_refunded": order["status"] == "refunded", "refuse_other": in_window,
                 "status": order["status"] in ("processing", "shipped")}[kind]

@@ -100,7 +100,8 @@ class Helpdesk(SQLiteApp):
         f"You are the support agent of an online shop. Today is {TODAY}. Look the customer up by email or "
         "name (find_customer), find the order they mean (list_orders, get_order) and follow the policy:\n"
         "- Refund (issue_refund, the whole order total) only an order of the customer who asks, not refunded "
-        "already, and only up to its refund_window_ends date (get_order shows it; the window is "
+        "already, and only while its refund window is open (get_order shows refund_window_ends and "
+        "refund_window_open; the window is "
         + ", ".join(f"{days} days for {category}" for category, days in WINDOW_DAYS.items()) + " items).\n"
         "- A new address: update_address with the address exactly as the customer wrote it.\n"
         "- A question about an order: tell them its status.\n"
@@ -139,7 +140,10 @@ class Helpdesk(SQLiteApp):
         order = self.row(db, ORDER, order_id)
         if order is None:
             raise ValueError(f"no order with id {order_id}")
-        return order | {"items": self.rows(db, ITEMS_OF, order_id)}
+        # What a shop screen shows beside the deadline (docs/agents.md: the 135M model does not
+        # compare the dates itself). It says nothing of the other rules: refunded already, whose order.
+        open_ = order["refund_window_ends"] >= TODAY.isoformat()
+        return order | {"refund_window_open": open_, "items": self.rows(db, ITEMS_OF, order_id)}
 
     @tool
     def find_customer(self, state: State, query: str) -> dict[str, Any]:
@@ -172,7 +176,8 @@ class Helpdesk(SQLiteApp):
 
     @tool
     def get_order(self, state: State, order_id: int) -> dict[str, Any]:
-        """One order in full: its customer, status, total, the last day it can be refunded and its items.
+        """One order in full: its customer, status, total, the last day it can be refunded, whether its
+        refund window is still open today (refund_window_open) and its items.
 
         Args:
             order_id: the order's id
