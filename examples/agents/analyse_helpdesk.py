@@ -349,8 +349,11 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--spec", default=SPEC, help=argparse.SUPPRESS)  # "tiny" for a smoke test
     parser.add_argument("--limit", type=int, default=None, help="held-out tasks per shop (a smoke test)")
+    parser.add_argument("--customers", type=int, default=64, help="people in each shop (part 1: 64, 48 held-out "
+                        "tasks a shop; the part 2 configs: 80, 64 held-out tasks)")
     args = parser.parse_args()
     SPEC, LIMIT = args.spec, args.limit
+    OPTIONS["customers"] = args.customers
     models, seeds = args.models.split(","), [int(s) for s in args.db_seeds.split(",")]
     bad = sorted(set(models) - {"base", *ADAPTERS})
     if bad:
