@@ -167,6 +167,21 @@ def test_a_refusal_by_inaction_earns_no_action_credit(policy, env):
     env.close(unread)
 
 
+def test_refusing_a_status_question_earns_no_action_credit(policy, env):
+    """What RL learned when any reply after the look-ups counted as the action of a task without a
+    change: refuse every request, the status questions too (docs/agents.md, issue 28 part 2)."""
+    status = task(env, "helpdesk-status-1-3")
+    looked_up = [call("find_customer", query="sara.chen@example.com"), call("list_orders", customer_id=1),
+                 call("get_order", order_id=3)]
+    refused = play(policy, env, status, looked_up + [
+        call("reply", message="I cannot refund order #3: it does not belong to your account.")])
+    assert env.score(refused) == {"action": 0.0, "reply": 0.0, "customer": 1.0, "order": 1.0, "format": 1.0}
+    env.close(refused)
+    told = play(policy, env, status, looked_up + [call("reply", message="Your order #3 is shipped.")])
+    assert env.score(told)["action"] == 1.0 and env.solved(env.score(told))
+    env.close(told)
+
+
 def test_run_states_reports_each_round(policy, env):
     """Validation of 40 agent rollouts takes minutes: each round says how many have finished."""
     refusal = task(env, "helpdesk-refuse_late-4-11")

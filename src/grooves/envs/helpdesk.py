@@ -334,12 +334,13 @@ class Helpdesk(SQLiteApp):
         customer = float(expected["customer_id"] in state.data.get("customers", []))
         opened = set(state.data.get("orders", []))
         # A task without a change is not won by inaction: the decision must be informed (the asker
-        # and the order meant were looked up) and told (a reply). RL found the gap when only the
-        # look-up was needed: it learned to find the customer, then break every call after it.
+        # and the order meant were looked up) and told (the reply gives the status, or refuses).
+        # RL found two gaps: when only the look-up was needed, it learned to find the customer, then
+        # break every call after it; when any reply did, to refuse every request, status questions too.
         informed = customer == 1.0 and (expected["order_id"] is None or expected["order_id"] in opened)
-        action = self.changes(state) == expected["changes"] and (
-            bool(expected["changes"]) or (informed and bool((state.answer or "").strip())))
         answer = (state.answer or "").lower().replace("\u2019", "'")
+        told = any(word in answer for word in expected["facts"][0])
+        action = self.changes(state) == expected["changes"] and (bool(expected["changes"]) or (informed and told))
         said = sum(any(word in answer for word in words) for words in expected["facts"]) / len(expected["facts"])
         calls = state.counters["tool_calls"] + state.counters["tool_errors/malformed"]
         bad = sum(state.counters[key] for key in FORMAT_ERRORS)
