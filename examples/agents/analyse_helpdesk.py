@@ -13,6 +13,7 @@ Stages, each adding its results to one JSON file (``--out``, default
 - ``probe``: can the model decide the refund window? Log-probabilities of the two next turns
   (``issue_refund`` or a refusal) right after the demo's ``get_order`` result, on the
   ``refund`` and ``refuse_late`` tasks, and a bare yes/no question on the same dates;
+- ``flag`` (part 2): the same decision point with ``refund_window_open`` as shown and flipped;
 - ``classify``: the first errors of the stored transcripts found again (no model);
 - ``report``: the markdown tables from the JSON.
 
@@ -246,6 +247,34 @@ def stage_probe(models: list[str], runs: Path, db_seeds: list[int], results: dic
         print(f"probe {model}: {len(rows)} tasks, {time.time() - started:.0f} s", flush=True)
 
 
+def stage_flag(models: list[str], runs: Path, db_seeds: list[int], results: dict) -> None:
+    """Does the choice read ``refund_window_open``? Log-odds ``issue_refund`` : ``reply`` at the
+    decision point of each held-out refund and refuse_late task, with the flag as get_order shows
+    it and flipped (the rest of the context equal)."""
+    flag = results.setdefault("flag", {})
+    for model in models:
+        policy, rows, started = load_policy(model, runs), [], time.time()
+        encode = lambda text: policy.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        for env, tasks in heldout(db_seeds):
+            real = env._order
+            for task in (t for t in tasks if t["kind"] in ("refund", "refuse_late")):
+                oid = task["expected"]["order_id"]
+                a, b = encode(call_text("issue_refund", order_id=oid)), encode(call_text("reply", message="x"))
+                common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+                odds = []
+                for flip in (False, True):
+                    env._order = lambda db, i, flip=flip: (lambda o: o | {
+                        "refund_window_open": o["refund_window_open"] != flip})(real(db, i))
+                    refund, refuse = next_token_logprobs(policy, decision_prefix(policy, env, task) + a[:common],
+                                                         [a[common], b[common]])
+                    odds.append(refund - refuse)
+                env._order = real
+                rows.append({"task_id": f"s{env.db_seed}:{task['id']}", "kind": task["kind"], "shown": odds[0],
+                             "flipped": odds[1]})
+        flag[model] = rows
+        print(f"flag {model}: {len(rows)} tasks, {time.time() - started:.0f} s", flush=True)
+
+
 def rl_groups(run_dir: Path) -> list[str]:
     """Per training step of an RL run: how many of its groups had any reward variance."""
     from grooves.runs.store import RunStore
@@ -334,13 +363,19 @@ def report(results: dict) -> str:
                          f"refund:refuse {odds:+.2f}, "
                          f"yes:no {statistics.fmean(r['yes_lp'] - r['no_lp'] for r in some):+.2f}")
         out.append(f"Refund-window probe, {model}: " + "; ".join(cells) + ".")
+    for model, rows in results.get("flag", {}).items():
+        cells = [f"{k} ({len(some)}): mean log-odds refund:reply {statistics.fmean(r['shown'] for r in some):+.2f} "
+                 f"as shown, {statistics.fmean(r['flipped'] for r in some):+.2f} flipped; refund preferred "
+                 f"{sum(r['shown'] > 0 for r in some)} and {sum(r['flipped'] > 0 for r in some)}"
+                 for k in ("refund", "refuse_late") if (some := [r for r in rows if r["kind"] == k])]
+        out.append(f"refund_window_open flipped, {model}: " + "; ".join(cells) + ".")
     return "\n".join(out)
 
 
 def main() -> None:
     global SPEC, LIMIT
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("stages", nargs="+", choices=["eval", "classify", "variance", "probe", "report"])
+    parser.add_argument("stages", nargs="+", choices=["eval", "classify", "variance", "probe", "flag", "report"])
     parser.add_argument("--runs", type=Path, default=Path("runs/agents"), help="runs root holding the adapters")
     parser.add_argument("--out", type=Path, default=Path("runs/issue28/analysis.json"))
     parser.add_argument("--models", default="base,sft", help="comma-separated: base, sft, sft_rl")
@@ -369,6 +404,8 @@ def main() -> None:
             stage_variance(models[-1], args.runs, args.variance_tasks, args.group, results)
         elif stage == "probe":
             stage_probe(models, args.runs, seeds, results)
+        elif stage == "flag":
+            stage_flag(models, args.runs, seeds, results)
         else:
             print(report(results))
             for line in rl_groups(args.runs / "helpdesk-sft-rl"):
