@@ -13,12 +13,12 @@ of step 3 over the base was 0.136 +- 0.034 (4.0 standard errors; the test asks f
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 
 from grooves.tasks.titles import tasks as title_tasks
+from grooves.workflows.learn import paired
 from test_learn import learn, ledger, serve, served_by, users
 
 pytestmark = pytest.mark.slow
@@ -72,13 +72,6 @@ poll_seconds = 0.2
     return path
 
 
-def paired(after: list[float], before: list[float]) -> tuple[float, float]:
-    """Mean and standard error of the per-task difference."""
-    d = [a - b for a, b in zip(after, before, strict=True)]
-    mean = sum(d) / len(d)
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
-
-
 def test_the_bundled_model_learns_from_its_traffic_and_prod_moves_to_the_better_checkpoint(bundled):
     root, url = bundled
     prompts = [t["prompt"] for t in title_tasks("train")[:STEPS * PER_STEP]]
@@ -90,7 +83,7 @@ def test_the_bundled_model_learns_from_its_traffic_and_prod_moves_to_the_better_
     assert [g[0] for g in gates] == list(range(1, STEPS + 1)), done.stderr
     rows = ledger(root, "titles", "SELECT step, heldout FROM alias ORDER BY id")
     start, (step, now) = json.loads(rows[0][1]), (rows[-1][0], json.loads(rows[-1][1]))
-    gain, stderr = paired(now, start)
+    gain, stderr, _, _ = paired(start, now)  # the gate's own paired difference (tests/test_learn_gate.py)
     assert step > 0, done.stderr  # prod moved off the base
     assert gain > 2 * stderr, (gain, stderr, done.stderr)  # to a checkpoint the verifier prefers on held-out tasks
 
