@@ -33,6 +33,24 @@ def test_every_helpdesk_demo_earns_every_score(helpdesk):
     assert call["name"] == "find_customer" and json.loads(call["arguments"])["query"] in refund.task["prompt"]
 
 
+def test_a_helpdesk_demo_decides_a_refund_next_to_the_fields_it_rests_on(helpdesk):
+    kept, _ = demonstrations(helpdesk, helpdesk.tasks("train"))
+    verdicts = {"refund": "I can refund it.", "refuse_late": "Window closed", "refuse_refunded": "Refunded already",
+                "refuse_other": "Not your order"}
+    for result in kept:
+        kind, opened = result.task["kind"], [i for i, m in enumerate(result.messages) if m["role"] == "tool"
+                                             and '"refund_window_open"' in m["content"]]
+        if kind not in verdicts:
+            continue
+        order = json.loads(result.messages[opened[0]]["content"])
+        decision = result.messages[opened[0] + 1]  # the turn right after get_order's result
+        assert decision["content"].startswith(
+            f"Order #{order['id']}: customer_id {order['customer_id']} (you are {result.task['expected']['customer_id']}), "
+            f"status {order['status']}, refund_window_open {json.dumps(order['refund_window_open'])}.")
+        assert verdicts[kind] in decision["content"]
+        assert decision["tool_calls"][0]["function"]["name"] == ("issue_refund" if kind == "refund" else "reply")
+
+
 def test_search_demos_read_a_source_their_search_showed(search):
     tasks = search.tasks("train", 60, seed=1)
     kept, counts = demonstrations(search, tasks)
@@ -41,6 +59,19 @@ def test_search_demos_read_a_source_their_search_showed(search):
         shown = json.loads(result.messages[3]["content"])  # the search tool's result
         assert result.task["source"] in [hit["doc_id"] for hit in shown]
         assert result.scores["exact"] == result.scores["read_source"] == 1.0
+
+
+def test_a_search_demo_writes_the_default_as_the_signature_it_read_shows_it(search):
+    kept, _ = demonstrations(search, search.tasks("train", 120, seed=2))
+    defaults = [r for r in kept if r.task["kind"] != "name"]
+    assert len(defaults) >= 20
+    for result in defaults:
+        read, last = result.messages[5]["content"], result.messages[6]
+        written = f"{result.task['param']}={result.task['answer']}"
+        assert last["content"] == f"In the signature: {written}." and written in read.splitlines()[1]
+        assert json.loads(last["tool_calls"][0]["function"]["arguments"]) == {"text": result.task["answer"]}
+    for result in (r for r in kept if r.task["kind"] == "name"):
+        assert result.messages[6]["content"] == ""  # a name is answered straight from the read
 
 
 def test_a_scripted_policy_violation_loses_the_action_score(helpdesk):

@@ -13,7 +13,8 @@ Stages, each adding its results to one JSON file (``--out``, default
 - ``probe``: can the model decide the refund window? Log-probabilities of the two next turns
   (``issue_refund`` or a refusal) right after the demo's ``get_order`` result, on the
   ``refund`` and ``refuse_late`` tasks, and a bare yes/no question on the same dates;
-- ``flag`` (part 2): the same decision point with ``refund_window_open`` as shown and flipped;
+- ``flag`` (part 2): the same decision point with ``refund_window_open`` as shown and flipped:
+  the log-odds of the two calls' names, and the tool the model's own greedy turn calls;
 - ``classify``: the first errors of the stored transcripts found again (no model);
 - ``report``: the markdown tables from the JSON.
 
@@ -37,13 +38,14 @@ import torch
 from grooves.envs import load_env, start
 from grooves.envs.tools import call_text
 from grooves.policy.policy import Policy
+from grooves.policy.tools import parse_tool_calls
 from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import EnvScore, Reward
 from grooves.training.gather import evaluate, rollout_groups
 
 SPEC = "bundled:smollm2-135m-instruct"
 OPTIONS = {"max_turns": 6, "max_tokens": 384}  # examples/agents/helpdesk-*.toml
-TURN_TOKENS, TEMPERATURE = 96, 0.7  # [sampling] max_completion_length and temperature of the RL configs
+TURN_TOKENS, TEMPERATURE = 128, 0.7  # [sampling] max_completion_length and temperature of the RL configs
 KINDS = ("refund", "refuse_late", "refuse_refunded", "refuse_other", "status", "address")
 COMPONENTS = ("action", "reply", "customer", "order", "format")
 ERRORS = ("none", "wrong tool", "wrong arguments", "wrong policy decision", "wrong facts in the reply",
@@ -224,6 +226,16 @@ def next_token_logprobs(policy: Policy, prefix: list[int], candidates: list[int]
     return torch.log_softmax(logits, -1)[candidates].tolist()
 
 
+@torch.no_grad()
+def greedy_tool(policy: Policy, prefix: list[int]) -> str | None:
+    """The tool the model's own greedy turn at ``prefix`` calls first (None: no call), whatever it
+    writes before the call: the decision as a rollout would take it."""
+    out = policy.model.generate(torch.tensor([prefix]), max_new_tokens=TURN_TOKENS, do_sample=False,
+                                eos_token_id=policy.end_of_turn_id, pad_token_id=policy.end_of_turn_id)
+    calls = parse_tool_calls(policy.decode(out[0, len(prefix):].tolist())).tool_calls
+    return calls[0].name if calls else None
+
+
 def stage_probe(models: list[str], runs: Path, db_seeds: list[int], results: dict) -> None:
     probe = results.setdefault("probe", {})
     for model in models:
@@ -261,16 +273,17 @@ def stage_flag(models: list[str], runs: Path, db_seeds: list[int], results: dict
                 oid = task["expected"]["order_id"]
                 a, b = encode(call_text("issue_refund", order_id=oid)), encode(call_text("reply", message="x"))
                 common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-                odds = []
+                odds, chose = [], []
                 for flip in (False, True):
                     env._order = lambda db, i, flip=flip: (lambda o: o | {
                         "refund_window_open": o["refund_window_open"] != flip})(real(db, i))
-                    refund, refuse = next_token_logprobs(policy, decision_prefix(policy, env, task) + a[:common],
-                                                         [a[common], b[common]])
+                    prefix = decision_prefix(policy, env, task)
+                    refund, refuse = next_token_logprobs(policy, prefix + a[:common], [a[common], b[common]])
                     odds.append(refund - refuse)
+                    chose.append(greedy_tool(policy, prefix))
                 env._order = real
                 rows.append({"task_id": f"s{env.db_seed}:{task['id']}", "kind": task["kind"], "shown": odds[0],
-                             "flipped": odds[1]})
+                             "flipped": odds[1], "tool_shown": chose[0], "tool_flipped": chose[1]})
         flag[model] = rows
         print(f"flag {model}: {len(rows)} tasks, {time.time() - started:.0f} s", flush=True)
 
@@ -369,6 +382,13 @@ def report(results: dict) -> str:
                  f"{sum(r['shown'] > 0 for r in some)} and {sum(r['flipped'] > 0 for r in some)}"
                  for k in ("refund", "refuse_late") if (some := [r for r in rows if r["kind"] == k])]
         out.append(f"refund_window_open flipped, {model}: " + "; ".join(cells) + ".")
+        if all("tool_shown" in r for r in rows):  # the greedy turn, thought and all
+            follows = sum((r["tool_shown"] == "issue_refund") == (r["kind"] == "refund")
+                          and (r["tool_flipped"] == "issue_refund") == (r["kind"] != "refund") for r in rows)
+            out.append(f"Greedy decision turn, {model}: it refunds exactly when the flag shown says open on "
+                       f"{follows} of {len(rows)} tasks (shown and flipped both right); calls as shown: "
+                       f"{dict(Counter(r['tool_shown'] for r in rows))}, flipped: "
+                       f"{dict(Counter(r['tool_flipped'] for r in rows))}.")
     return "\n".join(out)
 
 

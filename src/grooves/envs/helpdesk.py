@@ -302,7 +302,10 @@ class Helpdesk(SQLiteApp):
     def demonstrate(self, task: Task) -> list[str]:
         """Look the customer up as they wrote themselves, open the order meant (through their
         order list when they named a product, directly when they gave its number), act as the
-        policy says, and reply with the facts the score looks for."""
+        policy says, and reply with the facts the score looks for. Before a refund or a refusal
+        the demo first writes down the order's fields the policy rests on (whose it is, its status,
+        ``refund_window_open``), then the verdict: the decision is taken next to what it reads
+        (docs/agents.md: trained on the bare calls, the 135M model's choice ignored the flag)."""
         expected, kind = task["expected"], task["kind"]
         cid, oid = expected["customer_id"], expected["order_id"]
         who = re.match(r"Hi, I'm (.+?)\. ", task["prompt"])
@@ -322,9 +325,16 @@ class Helpdesk(SQLiteApp):
                                 f"{order['refund_window_ends']}.",
                  "refuse_refunded": f"I cannot refund order #{oid}: it has already been refunded.",
                  "refuse_other": f"I cannot refund order #{oid}: it does not belong to your account."}[kind]
+        if kind == "status":
+            return turns + [call_text("reply", message=reply)]
+        verdict = {"refund": "I can refund it.", "refuse_late": "Window closed: I cannot refund it.",
+                   "refuse_refunded": "Refunded already: I cannot refund it.",
+                   "refuse_other": "Not your order: I cannot refund it."}[kind]
+        read = (f"Order #{oid}: customer_id {order['customer_id']} (you are {cid}), status {order['status']}, "
+                f"refund_window_open {str(order['refund_window_open']).lower()}. {verdict}\n")
         if kind == "refund":
-            turns.append(call_text("issue_refund", order_id=oid))
-        return turns + [call_text("reply", message=reply)]
+            return turns + [read + call_text("issue_refund", order_id=oid), call_text("reply", message=reply)]
+        return turns + [read + call_text("reply", message=reply)]
 
     def solved(self, scores: dict[str, float]) -> bool:
         return scores["action"] == 1.0 and scores["reply"] == 1.0  # the right change, and said so
