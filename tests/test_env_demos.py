@@ -61,6 +61,19 @@ def test_search_demos_read_a_source_their_search_showed(search):
         assert result.scores["exact"] == result.scores["read_source"] == 1.0
 
 
+def test_a_helpdesk_demo_quotes_the_purchase_row_of_the_product_named_before_opening_its_order(helpdesk):
+    kept, _ = demonstrations(helpdesk, helpdesk.tasks("train"))
+    listed = [r for r in kept if r.task["kind"] not in ("address", "refuse_other")]
+    assert len(listed) >= 100
+    for result in listed:
+        rows = json.loads(result.messages[5]["content"])  # list_orders' result
+        named = [row for row in rows if row["product"] in result.task["prompt"]]
+        assert len(named) == 1 and named[0]["order_id"] == result.task["expected"]["order_id"]
+        opening = result.messages[6]
+        assert json.loads(opening["content"]) == {k: named[0][k] for k in ("product", "order_id")}
+        assert opening["tool_calls"][0]["function"]["name"] == "get_order"
+
+
 def test_a_search_demo_writes_the_default_as_the_signature_it_read_shows_it(search):
     kept, _ = demonstrations(search, search.tasks("train", 120, seed=2))
     defaults = [r for r in kept if r.task["kind"] != "name"]

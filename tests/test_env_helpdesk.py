@@ -80,6 +80,16 @@ SOLVE_REFUND = [call("find_customer", query="Sara Chen"), call("list_orders", cu
                 call("reply", message="I have refunded $83.98 for your blue rugs.")]
 
 
+def test_list_orders_shows_one_row_per_product_with_its_orders_id_newest_first(env):
+    from grooves.envs.replay import replay
+
+    rows = json.loads(replay(env, task(env, "helpdesk-refund-1-2"), SOLVE_REFUND[:2]).messages[-1]["content"])
+    want = env.rows(env.template, "SELECT p.name AS product, o.id AS order_id, o.placed_on FROM orders o "
+                                  "JOIN order_items i ON i.order_id = o.id JOIN products p ON p.id = i.product_id "
+                                  "WHERE o.customer_id = 1 ORDER BY o.placed_on DESC, o.id DESC, i.id")
+    assert rows == want and len(want) >= 3
+
+
 def test_a_solved_refund_scores_full_marks_and_changes_exactly_the_order_and_a_ticket(policy, env):
     refund = task(env, "helpdesk-refund-1-2")
     assert refund["expected"]["facts"] == [["83.98"], ["refund"]]

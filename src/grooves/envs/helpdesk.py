@@ -168,17 +168,22 @@ class Helpdesk(SQLiteApp):
 
     @tool
     def list_orders(self, state: State, customer_id: int) -> list[dict[str, Any]]:
-        """A customer's orders, newest first: id, date placed and the products in each.
+        """A customer's purchases, newest first: one row per product, with the id and date of the
+        order it is in.
 
         Args:
             customer_id: the customer's id (from find_customer)
         """
+        # A row per product, its order's id right after its name, as a shop's "your purchases"
+        # page lists them: grouped by order (id first, products last), the 135M model opened the
+        # order meant on about a third of the tasks (docs/agents.md, issue 28 part 2).
         db = self.db(state)
         if self.row(db, "SELECT id FROM customers WHERE id = ?", customer_id) is None:
             raise ValueError(f"no customer with id {customer_id}")
         orders = self.rows(db, "SELECT id, placed_on FROM orders WHERE customer_id = ? "
                                "ORDER BY placed_on DESC, id DESC", customer_id)
-        return [o | {"items": [i["name"] for i in self.rows(db, ITEMS_OF, o["id"])]} for o in orders]
+        return [{"product": item["name"], "order_id": o["id"], "placed_on": o["placed_on"]}
+                for o in orders for item in self.rows(db, ITEMS_OF, o["id"])]
 
     @tool
     def get_order(self, state: State, order_id: int) -> dict[str, Any]:
@@ -302,10 +307,12 @@ class Helpdesk(SQLiteApp):
     def demonstrate(self, task: Task) -> list[str]:
         """Look the customer up as they wrote themselves, open the order meant (through their
         order list when they named a product, directly when they gave its number), act as the
-        policy says, and reply with the facts the score looks for. Before a refund or a refusal
-        the demo first writes down the order's fields the policy rests on (whose it is, its status,
-        ``refund_window_open``), then the verdict: the decision is taken next to what it reads
-        (docs/agents.md: trained on the bare calls, the 135M model's choice ignored the flag)."""
+        policy says, and reply with the facts the score looks for. Before opening an order picked
+        from the customer's purchases, the demo quotes the row of the product they named; before a
+        refund or a refusal, it writes down the order's fields the policy rests on (whose it is, its
+        status, ``refund_window_open``), then the verdict. Each choice is taken next to what it
+        reads (docs/agents.md: trained on bare calls, the 135M model's choice ignored the flag and
+        mostly opened the wrong order)."""
         expected, kind = task["expected"], task["kind"]
         cid, oid = expected["customer_id"], expected["order_id"]
         who = re.match(r"Hi, I'm (.+?)\. ", task["prompt"])
@@ -315,10 +322,13 @@ class Helpdesk(SQLiteApp):
             new = expected["changes"]["customers"]["updated"][str(cid)]["address"]
             return turns + [call_text("update_address", customer_id=cid, address=new),
                             call_text("reply", message=f"I have changed your address to {new}.")]
-        if kind != "refuse_other":
-            turns.append(call_text("list_orders", customer_id=cid))
-        turns.append(call_text("get_order", order_id=oid))
         order = self._order(self.template, oid)
+        if kind != "refuse_other":  # the product they named, quoted from list_orders' row of it
+            product = next(item["name"] for item in order["items"] if item["name"] in task["prompt"])
+            turns += [call_text("list_orders", customer_id=cid),
+                      f'{{"product": "{product}", "order_id": {oid}}}\n' + call_text("get_order", order_id=oid)]
+        else:
+            turns.append(call_text("get_order", order_id=oid))
         reply = {"refund": f"I have issued a refund of {order['total']:.2f} for order #{oid}.",
                  "status": f"Your order #{oid} is {order['status']}.",
                  "refuse_late": f"I'm sorry, I cannot refund order #{oid}: its refund window ended on "
