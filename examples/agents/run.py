@@ -11,18 +11,20 @@ short resumes from its newest checkpoint):
 3. RL from the base model, the same config without the adapter:
    ``grooves train examples/agents/ENV-rl.toml``.
 
-Both RL runs validate greedily on the same held-out tasks at steps 0, 3 and 6, so step 0 of
-run 3 is the base model and step 0 of run 2 is the SFT model. The report reads the per-task
-results from the runs' ``run.sqlite`` and writes ``docs/agents.md`` (the table, the commands,
-the phase times) and ``docs/img/agents_success.png`` (held-out success vs RL step); text
-between ``<!-- notes -->`` and ``<!-- /notes -->`` in an existing docs/agents.md is kept.
+Both RL runs validate greedily on the same held-out tasks (search at steps 0, 3 and 6,
+helpdesk at 0, 2 and 4), so step 0 of run 3 is the base model and step 0 of run 2 is the SFT
+model. The report reads the per-task results from the runs' ``run.sqlite`` and writes
+``docs/agents.md`` (the tables overall and per task kind, the commands, the phase times)
+and ``docs/img/agents_success.png`` (held-out success vs RL step); text between
+``<!-- notes -->`` and ``<!-- /notes -->`` in an existing docs/agents.md is kept.
 It ends with one line per env:
 ``agents env=NAME base=X sft=Y sft_rl=Z rl=W paired_stderr=S seconds=T``, where
 ``paired_stderr`` is the standard error of the per-task difference SFT+RL - SFT.
 
 Run from the repository root: ``python examples/agents/run.py`` (needs ``pip install -e
-'.[examples]'`` for the plot). Never part of ``make test``: it takes about an hour on 2 CPU
-cores. ``--report`` rewrites the report from the runs there are, training nothing.
+'.[examples]'`` for the plot). Never part of ``make test``: its whole run was last timed at an hour
+on 2 CPU cores, before the helpdesk SFT grew to 256 demos (about 33 min alone; see
+docs/agents.md). ``--report`` rewrites the report from the runs there are, training nothing.
 """
 
 from __future__ import annotations
@@ -181,13 +183,16 @@ class EnvResult:
     curves: dict[str, list[tuple[int, float, float]]]  # "sft_rl"/"rl" -> [(step, success, se)]
     seconds: float
     phase_seconds: dict[str, float]
+    kinds: dict[str, str]  # task id -> its kind (the env's task["kind"])
 
     def success(self, model: str) -> float:
         return mean_se([o.success for o in self.models[model].values()])[0]
 
-    def paired(self) -> tuple[float, float, int]:
-        """Mean and standard error of SFT+RL - SFT per task, over the tasks both validated."""
-        common = sorted(set(self.models["sft_rl"]) & set(self.models["sft"]))
+    def paired(self, kind: str | None = None) -> tuple[float, float, int]:
+        """Mean and standard error of SFT+RL - SFT per task, over the tasks both validated (of
+        ``kind`` only, when given)."""
+        common = sorted(t for t in set(self.models["sft_rl"]) & set(self.models["sft"])
+                        if kind is None or self.kinds.get(t) == kind)
         diffs = [self.models["sft_rl"][t].success - self.models["sft"][t].success for t in common]
         mean, se = mean_se(diffs)
         return mean, se, len(common)
@@ -217,7 +222,8 @@ def read_env(env_name: str, runs: Path) -> EnvResult | None:
         entry = json.loads(line)
         if entry["env"] == env_name and entry.get("exit_code") == 0:
             phase_seconds[entry["phase"]] = entry["seconds"]
-    return EnvResult(env_name, models, curves, sum(phase_seconds.values()), phase_seconds)
+    kinds = {task["id"]: task["kind"] for task in env.tasks("heldout")}
+    return EnvResult(env_name, models, curves, sum(phase_seconds.values()), phase_seconds, kinds)
 
 
 # --- the report ----------------------------------------------------------------------------
@@ -238,6 +244,22 @@ def table(result: EnvResult) -> str:
     rows.append(f"SFT + RL − SFT, paired over the same {n} held-out tasks: {mean:+.3f} ± {se:.3f} "
                 f"({mean / se:.1f} standard errors)." if se and se > 0 else
                 f"SFT + RL − SFT, paired over the same {n} held-out tasks: {mean:+.3f} (no variance).")
+    return "\n".join(rows)
+
+
+def kind_table(result: EnvResult) -> str:
+    """Held-out success per task kind, and SFT+RL - SFT paired within the kind: RL must not buy
+    one kind with another."""
+    kinds = sorted({result.kinds.get(t, "?") for t in result.models["sft"]})
+    rows = ["| kind | " + " | ".join(LABELS[m] for m in MODELS) + " | SFT + RL − SFT (paired) |",
+            "|---|" + "---|" * (len(MODELS) + 1)]
+    for kind in kinds:
+        cells = []
+        for model in MODELS:
+            values = [o.success for t, o in result.models[model].items() if result.kinds.get(t, "?") == kind]
+            cells.append(f"{sum(values):.0f}/{len(values)}")
+        mean, se, n = result.paired(kind)
+        rows.append(f"| {kind} | " + " | ".join(cells) + f" | {mean:+.3f} ± {se:.3f} ({n}) |")
     return "\n".join(rows)
 
 
@@ -295,13 +317,14 @@ def write_doc(results: list[EnvResult], doc: Path, image: Path, runs: Path) -> N
         for suffix, command in PHASES:
             parts.append(f"grooves {command} examples/agents/{result.env}-{suffix}.toml --runs {runs}")
     parts += ["```", "",
-              f"Both RL runs validate greedily on the same held-out tasks at steps {val_schedule()}: step 0 of the",
+              "Both RL runs validate greedily on the same held-out tasks (at steps "
+              + "; ".join(f"{val_schedule(r.env)} for {r.env}" for r in results) + "): step 0 of the",
               "RL-from-base run is the base model, step 0 of the SFT+RL run is the SFT model. ± is one",
               "standard error over tasks.", ""]
     for result in results:
         phases = ", ".join(f"{suffix} {result.phase_seconds.get(suffix, 0) / 60:.1f} min" for suffix, _ in PHASES)
-        parts += [f"## {result.env}", "", table(result), "",
-                  f"Wall time: {result.seconds / 60:.1f} min ({phases}).", ""]
+        parts += [f"## {result.env}", "", table(result), "", "Held-out tasks solved, by kind:", "",
+                  kind_table(result), "", f"Wall time: {result.seconds / 60:.1f} min ({phases}).", ""]
     total = whole_run(runs)
     if total:
         kept = total.get("kept")
@@ -317,9 +340,9 @@ def write_doc(results: list[EnvResult], doc: Path, image: Path, runs: Path) -> N
     doc.write_text("\n".join(parts))
 
 
-def val_schedule() -> str:
-    """The RL runs' validation steps, from the search SFT + RL config (both envs' agree)."""
-    config = load("search", "sft-rl")
+def val_schedule(env: str) -> str:
+    """An env's RL validation steps, from its SFT + RL config (its RL-from-base config agrees)."""
+    config = load(env, "sft-rl")
     steps = list(range(0, config.steps + 1, config.log.val_every))
     return ", ".join(map(str, steps[:-1])) + f" and {steps[-1]}"
 
@@ -336,7 +359,7 @@ def report(envs: list[str], runs: Path, doc: Path, image: Path) -> None:
     if not results:
         sys.exit(f"no finished runs under {runs} to report on")
     for result in results:
-        print(f"\n{result.env}\n{table(result)}")
+        print(f"\n{result.env}\n{table(result)}\n\n{kind_table(result)}")
     plot(results, image)
     write_doc(results, doc, image, runs)
     print(f"\nwrote {doc} and {image}\n")
