@@ -79,6 +79,9 @@ ORDER = """SELECT o.*, date(o.placed_on, '+' || min(r.window_days) || ' days') A
            JOIN refund_policy r ON r.category = p.category WHERE o.id = ? GROUP BY o.id"""
 ITEMS_OF = """SELECT p.id AS product_id, p.name, i.quantity FROM order_items i JOIN products p ON p.id = i.product_id
               WHERE i.order_id = ? ORDER BY i.id"""
+PURCHASES = """SELECT p.name AS product, o.id AS order_id, o.placed_on FROM orders o
+               JOIN order_items i ON i.order_id = o.id JOIN products p ON p.id = i.product_id
+               WHERE o.customer_id = ? ORDER BY o.placed_on DESC, o.id DESC, i.id"""
 
 
 def address(rng: random.Random) -> str:
@@ -180,10 +183,7 @@ class Helpdesk(SQLiteApp):
         db = self.db(state)
         if self.row(db, "SELECT id FROM customers WHERE id = ?", customer_id) is None:
             raise ValueError(f"no customer with id {customer_id}")
-        orders = self.rows(db, "SELECT id, placed_on FROM orders WHERE customer_id = ? "
-                               "ORDER BY placed_on DESC, id DESC", customer_id)
-        return [{"product": item["name"], "order_id": o["id"], "placed_on": o["placed_on"]}
-                for o in orders for item in self.rows(db, ITEMS_OF, o["id"])]
+        return self.rows(db, PURCHASES, customer_id)
 
     @tool
     def get_order(self, state: State, order_id: int) -> dict[str, Any]:
