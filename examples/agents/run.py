@@ -23,7 +23,8 @@ It ends with one line per env:
 
 Run from the repository root: ``python examples/agents/run.py`` (needs ``pip install -e
 '.[examples]'`` for the plot). Never part of ``make test``: its whole run took 95.6 min on 2 CPU
-cores on 2026-12-06, the helpdesk SFT 36.8 min of it (see docs/agents.md). ``--report`` rewrites the report from the runs there are, training nothing.
+cores on 2026-12-06, the helpdesk SFT 36.8 min of it (see docs/agents.md). ``--report``
+rewrites the report from the runs there are, training nothing.
 """
 
 from __future__ import annotations
