@@ -149,3 +149,17 @@ def test_a_stale_fold_runs_the_plain_path():
     _fold(policy)
     with packed_update.packed_update(policy):
         assert any(isinstance(m, packed_update._LoRAForward) for m in policy.causal_lm.modules())
+
+
+def test_rows_pack_only_where_that_costs_less():
+    """SmolLM2-135M's shapes: a group's short and long completions after a short prompt pack (the
+    padding was a third of the batch); an SFT micro-batch of agent transcripts of similar length
+    after a 942-token system prompt pads, because the packed sequence scores every token against
+    every other row's (measured: 36 -> 29 s for the same 8 transcripts' forward and backward)."""
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    assert logprobs._packing_pays(smollm2, 119, [5, 48, 17, 30, 9, 44, 12, 26], 48)
+    assert not logprobs._packing_pays(smollm2, 942, [536, 571, 589, 603], 604)
+    assert logprobs._packing_pays(smollm2, 942, [40, 60, 80, 600], 604)  # mostly padding: it packs
+    assert not logprobs._packing_pays(smollm2, 119, [20, 20, 20, 20], 20)  # no padding to save

@@ -11,7 +11,7 @@ short resumes from its newest checkpoint):
 3. RL from the base model, the same config without the adapter:
    ``grooves train examples/agents/ENV-rl.toml``.
 
-Both RL runs validate greedily on the same held-out tasks (search at steps 0, 3 and 6,
+Both RL runs validate greedily on the same held-out tasks (search at steps 0 and 6,
 helpdesk at 0 and 4), so step 0 of run 3 is the base model and step 0 of run 2 is the SFT
 model. The report reads the per-task results from the runs' ``run.sqlite`` and writes
 ``docs/agents.md`` (the tables overall and per task kind, the commands, the phase times)

@@ -32,7 +32,7 @@ PACK_ROWS = True
 PACK_ROWS_MAX = 4096
 """At most this many tokens in that sequence: its attention grows with the square of the total
 (every token is scored against every other, most of them masked), the padded batch's with each
-row's own length."""
+row's own length; below it, the rows pack only where that costs less (``_packing_pays``)."""
 
 
 @dataclass
@@ -210,9 +210,9 @@ def _packed_rows(causal_lm, batch: TokenBatch, shared: int, last: torch.Tensor, 
     counts = torch.where(trained.any(1), width - trained.flip(1).int().argmax(1), 0)  # (B,) targets to the last trained
     lengths = torch.where(counts > 0, batch.starts + counts - 1 - shared, 0).clamp(min=0).tolist()  # tokens each
     # row needs after the prefix: up to the one before its last trained target
-    total = sum(lengths)
-    if total == 0 or total >= len(lengths) * max(lengths) or total > PACK_ROWS_MAX:  # nothing to run, no padding
-        return None  # to save, or an attention over the whole sequence that would cost more than the padding
+    total, padded = sum(lengths), int((batch.starts + width).max()) - shared  # the padded batch's columns
+    if total == 0 or total > PACK_ROWS_MAX or not _packing_pays(causal_lm.config, shared, lengths, padded):
+        return None
     segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
     offsets = torch.tensor([0] + lengths[:-1], device=device).cumsum(0)  # (B,) each row's first index
     local = torch.arange(total, device=device) - offsets[segment]  # (S,) index within its row
@@ -232,6 +232,26 @@ def _packed_rows(causal_lm, batch: TokenBatch, shared: int, last: torch.Tensor, 
     within = torch.minimum(position, torch.tensor(lengths, device=device)[:, None])  # untrained columns stay in range
     index = torch.where(within > 0, offsets[:, None] + within, 0)  # (B, T) into hidden
     return hidden[index]  # (B, T, H)
+
+
+def _packing_pays(config, shared: int, lengths: list[int], padded: int) -> bool:
+    """Whether one sequence of the rows' ``lengths`` costs less than the batch padded to ``padded``
+    columns after a ``shared``-token prefix, counted in multiply-adds: a token's linear layers,
+    and its attention to every key it is scored against (the packed sequence scores each token
+    against all ``shared + total`` keys, most masked; a padded row against ``shared + padded``).
+    Rows of similar length after a long prefix (SFT on agent transcripts) pad; a group of short
+    and long completions after a short prompt packs."""
+    hidden = config.hidden_size
+    heads = getattr(config, "num_attention_heads", 1)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    inner = getattr(config, "intermediate_size", 4 * hidden)
+    per_token = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim + 3 * hidden * inner  # q, o, k, v, MLP
+    per_pair = 2 * heads * head_dim  # scores and the weighted sum
+    total, rows = sum(lengths), len(lengths)
+    packed = total * per_token + total * (shared + total) * per_pair
+    padded_cost = rows * padded * per_token + rows * padded * (shared + padded) * per_pair
+    return packed < padded_cost
 
 
 def _head_logprobs(causal_lm, picked, batch, temperature, with_entropy):
