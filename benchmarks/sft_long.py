@@ -1,5 +1,5 @@
 """SFT on long agent transcripts: seconds per optimizer step of the loss's forward and backward,
-three ways, on the same synthetic transcripts (issue 31, item 5).
+four ways, on the same synthetic transcripts (issue 31, item 5).
 
 A transcript is shaped like a wrapped retail-support benchmark's demo: one system prompt (policy
 and tool schemas) every example shares, a short user turn, then ``--turns`` assistant tool calls
@@ -14,17 +14,22 @@ the cost does not depend on what they spell.
 - ``after``: ``SFTRun._loss`` now: the step's common prefix once for all micro-batches
   (``SharedPrefix``), each micro-batch cut after its last trained token, the head on trained
   positions only;
+- ``packed``: ``after`` with the rule for a micro-batch's rows before 2026-12-06: one unpadded
+  sequence whenever that saves any padding (now only where it costs fewer multiply-adds:
+  ``logprobs._packing_pays``);
 - ``after+cut``: the same with ``data.max_seq_length = --cut`` (what it costs in trained tokens
   is printed).
 
-The three first give the same loss and gradient (``tests/test_sft_long.py`` holds them to 1e-5
+The first four give the same loss and gradient (``tests/test_sft_long.py`` holds them to 1e-5
 on the tiny model); the script prints each loss.
 
     python benchmarks/sft_long.py                        # bundled SmolLM2-135M, 4 examples of <= 2,000 tokens
     python benchmarks/sft_long.py --threads 1 --layers 6 # a busy machine: CPU time of 1 thread, 6 of 30 layers
     python benchmarks/sft_long.py --micro 4 --examples 8 --length 6000 --prefix 2500   # the issue's size
+    python benchmarks/sft_long.py --sft-config examples/agents/helpdesk-sft.toml --micro 4 --examples 8  # real demos
 
-The last line is machine-readable: ``sft_long model=.. textbook=WALLs/cpu=CPUs before=.. after=.. cut=..``.
+The last line is machine-readable: ``sft_long model=.. textbook=WALLs/cpu=CPUs before=.. after=.. packed=.. cut=..``
+(the ways ``--ways`` chose).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from grooves.policy import LoRA, Policy
+from grooves.policy import LoRA, Policy, logprobs
 from grooves.policy.logprobs import build_token_batch, shared_prefix_logprobs
 from grooves.training.sft import SFTConfig, SFTRun
 from grooves.types import Trajectory
@@ -66,6 +71,21 @@ def transcripts(vocab: int, args) -> list[Trajectory]:
     return out
 
 
+def real(policy: Policy, args) -> list[Trajectory]:
+    """The examples the first step of ``args.sft_config`` trains on (its data, in its order)."""
+    from grooves.training.config import load_config
+    from grooves.training.sft_data import load_examples
+    from grooves.tasks.sources import TaskStream
+
+    config = load_config(args.sft_config, SFTConfig)
+    d = config.data
+    with tempfile.TemporaryDirectory() as runs:
+        train, _ = load_examples(policy, d.source, heldout=d.heldout, heldout_fraction=d.heldout_fraction,
+                                 min_reward=d.min_reward, limit=d.limit, seed=config.seed, runs=runs,
+                                 env_options=d.env_options)
+    return [train[i] for i in TaskStream(list(range(len(train))), seed=config.seed).take(args.examples)]
+
+
 def textbook(run: SFTRun, examples: list[Trajectory]) -> float:
     lm, tokens, total = run.policy.causal_lm, sum(sum(t.completion_mask) for t in examples), 0.0
     ordered = sorted(examples, key=lambda t: len(t.prompt_ids) + len(t.completion_ids))
@@ -91,6 +111,16 @@ def before(run: SFTRun, examples: list[Trajectory]) -> float:
         nll.backward()
         total += nll.item()
     return total
+
+
+def packed(run: SFTRun) -> float:
+    """``run._loss`` with every micro-batch's rows packed whenever that saves padding."""
+    rule = logprobs._packing_pays
+    logprobs._packing_pays = lambda config, shared, lengths, padded: sum(lengths) < len(lengths) * padded
+    try:
+        return run._loss(run.train, backward=True)[0]
+    finally:
+        logprobs._packing_pays = rule
 
 
 def timed(name: str, run: SFTRun, step, repeat: int) -> tuple[float, float]:
@@ -122,6 +152,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="Keep only the model's first N decoder layers "
                         "(its widths and vocabulary stay): a quicker, head-heavier stand-in.")
     parser.add_argument("--repeat", type=int, default=2, help="Steps timed per way; the fastest counts.")
+    parser.add_argument("--sft-config", default=None, help="Instead of synthetic transcripts, the first "
+                        "--examples of the first step of this SFT config's data (its model and options).")
+    parser.add_argument("--ways", default="textbook,before,after,packed,cut",
+                        help="Which ways to time, comma-separated.")
     parser.add_argument("--cut", type=int, default=None, help="max_seq_length (default: 60%% of --length).")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -132,24 +166,30 @@ def main() -> None:
         decoder = policy.causal_lm.get_decoder()
         decoder.layers = decoder.layers[: args.layers]
         policy.causal_lm.config.num_hidden_layers = args.layers
-    examples = transcripts(policy.causal_lm.config.vocab_size, args)
+    examples = real(policy, args) if args.sft_config else transcripts(policy.causal_lm.config.vocab_size, args)
     cut = args.cut or int(args.length * 0.6)
     lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in examples]
-    print(f"{args.model}: {len(examples)} examples of {min(lengths)}-{max(lengths)} tokens, {args.prefix} shared, "
-          f"{sum(examples[0].completion_mask)} trained each; micro-batches of {args.micro}; "
+    shared = next((k for k in range(min(lengths)) if len({t.prompt_ids[k] if k < len(t.prompt_ids) else -1
+                                                          for t in examples}) > 1), min(lengths))
+    trained = sum(sum(t.completion_mask) for t in examples) // len(examples)
+    print(f"{args.sft_config or args.model}: {len(examples)} examples of {min(lengths)}-{max(lengths)} tokens, "
+          f"{shared} shared, {trained} trained each on average; micro-batches of {args.micro}; "
           f"{policy.causal_lm.config.num_hidden_layers} layers; "
           f"{torch.get_num_threads()} threads", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         config = SFTConfig(data={"source": "synthetic"}, optim={"micro_batch_size": args.micro})
         run = SFTRun(config, policy, examples, [], f"{tmp}/a", progress=False)
-        results["textbook"] = timed("textbook", run, lambda: textbook(run, examples), args.repeat)
-        results["before"] = timed("before", run, lambda: before(run, examples), args.repeat)
-        results["after"] = timed("after", run, lambda: run._loss(run.train, backward=True)[0], args.repeat)
-        config = SFTConfig(data={"source": "synthetic", "max_seq_length": cut}, optim={"micro_batch_size": args.micro})
-        cut_run = SFTRun(config, policy, examples, [], f"{tmp}/b", progress=False)
-        results["cut"] = timed("after+cut", cut_run, lambda: cut_run._loss(cut_run.train, backward=True)[0],
-                               args.repeat)
+        ways = {"textbook": lambda: textbook(run, examples), "before": lambda: before(run, examples),
+                "after": lambda: run._loss(run.train, backward=True)[0], "packed": lambda: packed(run)}
+        for name in (w for w in ways if w in args.ways.split(",")):
+            results[name] = timed(name, run, ways[name], args.repeat)
+        if "cut" in args.ways.split(","):
+            config = SFTConfig(data={"source": "synthetic", "max_seq_length": cut},
+                               optim={"micro_batch_size": args.micro})
+            cut_run = SFTRun(config, policy, examples, [], f"{tmp}/b", progress=False)
+            results["cut"] = timed("after+cut", cut_run, lambda: cut_run._loss(cut_run.train, backward=True)[0],
+                                   args.repeat)
     print(f"sft_long model={args.model} " + " ".join(f"{k}={v[0]:.1f}s/cpu={v[1]:.1f}s" for k, v in results.items()))
 
 

@@ -22,8 +22,8 @@ It ends with one line per env:
 ``paired_stderr`` is the standard error of the per-task difference SFT+RL - SFT.
 
 Run from the repository root: ``python examples/agents/run.py`` (needs ``pip install -e
-'.[examples]'`` for the plot). Never part of ``make test``: its whole run took 95.6 min on 2 CPU
-cores on 2026-12-06, the helpdesk SFT 36.8 min of it (see docs/agents.md). ``--report``
+'.[examples]'`` for the plot). Never part of ``make test``: its whole run took 77.4 min on 2 CPU
+cores on 2026-12-06, the helpdesk SFT 28.4 min of it (see docs/agents.md). ``--report``
 rewrites the report from the runs there are, training nothing.
 """
 
@@ -281,6 +281,7 @@ def plot(results: list[EnvResult], path: Path) -> None:
         n = len(result.models["sft"])
         ax.set(title=f"{result.env} ({n} held-out tasks, greedy)", xlabel="RL step", ylabel="held-out success",
                ylim=(-0.02, 1.02))
+        ax.set_xticks(sorted({step for key in ("sft_rl", "rl") for step, _, _ in result.curves[key]}))
         ax.grid(alpha=0.3)
         ax.legend(loc="center right")  # the curves sit near 1 and near 0
     fig.tight_layout()
