@@ -73,16 +73,13 @@ def transcripts(vocab: int, args) -> list[Trajectory]:
 
 def real(policy: Policy, args) -> list[Trajectory]:
     """The examples the first step of ``args.sft_config`` trains on (its data, in its order)."""
-    from grooves.training.config import load_config
-    from grooves.training.sft_data import load_examples
     from grooves.tasks.sources import TaskStream
+    from grooves.training.config import load_config
+    from grooves.training.sft import config_examples
 
     config = load_config(args.sft_config, SFTConfig)
-    d = config.data
     with tempfile.TemporaryDirectory() as runs:
-        train, _ = load_examples(policy, d.source, heldout=d.heldout, heldout_fraction=d.heldout_fraction,
-                                 min_reward=d.min_reward, limit=d.limit, seed=config.seed, runs=runs,
-                                 env_options=d.env_options)
+        train, _ = config_examples(policy, config, runs)
     return [train[i] for i in TaskStream(list(range(len(train))), seed=config.seed).take(args.examples)]
 
 

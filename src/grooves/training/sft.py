@@ -261,22 +261,29 @@ def run_sft_config(config: SFTConfig, *, runs: str | Path | None = None, out: st
     """Run (or resume) the SFT a config describes, as ``grooves sft`` does."""
     from grooves.policy.checkpoints import runs_root
     from grooves.training.build import load_policy
-    from grooves.training.sft_data import load_examples
 
     reporter = Reporter(console, enabled=progress)
     reporter.phase("loading", f"model {config.model.spec}")
     policy = load_policy(config, runs)
     reporter.phase("loading", f"examples from {config.data.source}")
     d = config.data
-    train, heldout = load_examples(policy, d.source, heldout=d.heldout, heldout_fraction=d.heldout_fraction,
-                                   min_reward=d.min_reward, limit=d.limit, seed=config.seed, runs=runs,
-                                   env_options=d.env_options)
+    train, heldout = config_examples(policy, config, runs)
     env_eval = None
     if config.heldout_tasks and d.source.startswith("env:"):
         env_eval = env_evaluator(d.source[4:], d.env_options, config.heldout_tasks, config.seed, config.turn_tokens)
     run_dir = Path(out) if out else runs_root(runs) / config.name
     return SFTRun(config, policy, train, heldout, run_dir, resume=resume, console=console, progress=progress,
                   env_eval=env_eval, resume_command=resume_command).run()
+
+
+def config_examples(policy: Policy, config: SFTConfig, runs: str | Path | None = None):
+    """The (train, held-out) examples ``config.data`` names, as ``grooves sft`` loads them."""
+    from grooves.training.sft_data import load_examples
+
+    d = config.data
+    return load_examples(policy, d.source, heldout=d.heldout, heldout_fraction=d.heldout_fraction,
+                         min_reward=d.min_reward, limit=d.limit, seed=config.seed, runs=runs,
+                         env_options=d.env_options)
 
 
 def env_evaluator(name: str, options: dict, n: int, seed: int, turn_tokens: int):
