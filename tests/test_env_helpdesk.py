@@ -279,11 +279,16 @@ def test_bad_input_is_answered_and_counted_and_sql_stays_a_string(env):
 def test_tasks_are_deterministic_disjoint_and_a_third_refusals(env):
     train, heldout = env.tasks("train"), env.tasks("heldout")
     assert len(train) == 208 and len(heldout) == 48  # 4 tasks for each of 64 customers; ids 5, 10, ... held out
-    bigger = Helpdesk(customers=80)  # the agents example's shop: 16 more people, 64 held-out tasks
+    bigger = Helpdesk(customers=80)  # the agents example's first shop: 16 more people, 64 held-out tasks
     assert len(bigger.tasks("train")) == 256 and len(bigger.tasks("heldout")) == 64
     assert bigger.row(bigger.template, "SELECT count(DISTINCT name) AS n FROM customers") == {"n": 80}
-    with pytest.raises(ValueError, match="a shop has 1 to 100"):
-        Helpdesk(customers=101).tasks("train")
+    assert [r["name"] for r in bigger.rows(bigger.template, "SELECT name FROM customers WHERE id IN (1, 80)")] == [
+        "Sara Chen", "Omar Patel"]  # as before shops could pass 100 people: the recorded runs' shop
+    biggest = Helpdesk(customers=240)  # the agents example's shop now: names from a third list past 100 people
+    assert len(biggest.tasks("train")) == 768 and len(biggest.tasks("heldout")) == 192
+    assert biggest.row(biggest.template, "SELECT count(DISTINCT name) AS n FROM customers") == {"n": 240}
+    with pytest.raises(ValueError, match="a shop has 1 to 256"):
+        Helpdesk(customers=257).tasks("train")
     assert env.tasks("train", n=10, seed=3) == Helpdesk().tasks("train", n=10, seed=3)
     assert env.tasks("train", n=10, seed=3) != env.tasks("train", n=10, seed=4)
     assert sorted(t["id"] for t in env.tasks("train", seed=4)) == sorted(t["id"] for t in train)

@@ -46,6 +46,11 @@ TODAY = datetime.date(2024, 6, 30)
 FIRST = ["jane", "omar", "li", "sara", "tom", "ana", "raj", "eva"]
 LAST = ["doe", "khan", "chen", "berg", "ross", "silva", "patel", "novak"]
 MORE_FIRST, MORE_LAST = ["kim", "noah"], ["okafor", "muller"]  # for shops of more than 64 customers
+LAST_FIRST = ["mia", "ivan", "zoe", "leo", "nina", "hugo"]  # and these past 100, up to 256
+LAST_LAST = ["garcia", "ito", "larsen", "moreau", "rossi", "weber"]
+NAMES = ((FIRST, LAST), (FIRST + MORE_FIRST, LAST + MORE_LAST),
+         (FIRST + MORE_FIRST + LAST_FIRST, LAST + MORE_LAST + LAST_LAST))  # first and last names by shop size
+MOST_CUSTOMERS = len(NAMES[-1][0]) * len(NAMES[-1][1])
 COLORS = ["blue", "red", "green", "black", "white"]
 ITEMS = {"kettle": "kitchen", "toaster": "kitchen", "mug": "kitchen", "lamp": "home", "blanket": "home",
          "rug": "home", "headphones": "electronics", "speaker": "electronics", "charger": "electronics"}
@@ -99,7 +104,7 @@ class Helpdesk(SQLiteApp):
     weights: ClassVar[dict[str, float]] = {"action": 0.4, "reply": 0.2, "customer": 0.15, "order": 0.15,
                                            "format": 0.1}
     max_tokens = 1024
-    customers = 64  # up to 100; past 64, names from MORE_FIRST and MORE_LAST (80 gives 64 held-out tasks)
+    customers = 64  # up to MOST_CUSTOMERS; 80 gives 64 held-out tasks, 240 gives 192
     system_prompt: ClassVar[str] = (
         f"You are the support agent of an online shop. Today is {TODAY}. Look the customer up by email or "
         "name (find_customer), find the order they mean (list_orders, get_order) and follow the policy:\n"
@@ -117,11 +122,12 @@ class Helpdesk(SQLiteApp):
         products = [(f"{color} {item}", category, rng.randint(8, 120) + 0.99)
                     for color, (item, category) in itertools.product(COLORS, ITEMS.items())]
         db.executemany("INSERT INTO products (name, category, price) VALUES (?, ?, ?)", products)
-        people = list(itertools.product(FIRST, LAST))
-        if self.customers > len(people):  # the default shop's 64 stay as they were
-            people += [p for p in itertools.product(FIRST + MORE_FIRST, LAST + MORE_LAST) if p not in people]
-        if not 1 <= self.customers <= len(people):
-            raise ValueError(f"helpdesk: customers = {self.customers}; a shop has 1 to {len(people)}")
+        people: list[tuple[str, str]] = []
+        for first, last in NAMES:  # a bigger shop's people come after a smaller one's, so that the
+            if len(people) < self.customers:  # shops of 64 and of 80 stay as they were
+                people += [p for p in itertools.product(first, last) if p not in people]
+        if not 1 <= self.customers <= MOST_CUSTOMERS:
+            raise ValueError(f"helpdesk: customers = {self.customers}; a shop has 1 to {MOST_CUSTOMERS}")
         for cid, (first, last) in enumerate(rng.sample(people, self.customers), 1):
             db.execute("INSERT INTO customers VALUES (?, ?, ?, ?)",
                        (cid, f"{first.title()} {last.title()}", f"{first}.{last}@example.com", address(rng)))
