@@ -99,6 +99,36 @@ def test_collapse_reads_an_agents_answer_not_its_last_tool_call():
     assert alert.evidence["text"] == "True" and alert.evidence["tasks"] == 5
 
 
+def test_collapse_tells_a_template_filled_with_each_tasks_own_numbers_from_one_text():
+    """The helpdesk's late-refund refusals share their words and differ in the order and date each
+    rollout read from its own tool results: a template, not a universal answer (the agents run's
+    collapse monitor flagged them before). The same words with numbers no task read still alert."""
+    def rollout(task_id, order, ends, answer):
+        t = Trajectory(messages=[{"role": "system", "content": "Today is 2024-06-30."},
+                                 {"role": "user", "content": "Hi, I'm jane.doe@example.com. Please refund my mug."},
+                                 {"role": "assistant", "content": "", "raw": "get_order"},
+                                 {"role": "tool", "content": f'{{"id": {order}, "refund_window_ends": "{ends}"}}'},
+                                 {"role": "assistant", "content": "", "raw": "reply"}],
+                       prompt_ids=[1], completion_ids=[2], completion_mask=[1], logprobs=[0.0],
+                       metadata={"task_id": task_id, "state": {"answer": answer, "finish": "answer"}})
+        return Group(task={"id": task_id}, trajectories=[t])
+
+    refusal = "I'm sorry, I cannot refund order #{}: its refund window ended on {}."
+    orders = [(112, "2024-05-02"), (47, "2024-04-17"), (203, "2024-05-21"), (88, "2024-03-09"), (9, "2024-05-30")]
+    filled = [rollout(f"t{k}", order, ends, refusal.format(order, ends)) for k, (order, ends) in enumerate(orders)]
+    detector = Collapse(CollapseConfig())
+    assert detector.observe(1, filled, {}) == [] and detector.value == 0.0
+    unread = [rollout(f"t{k}", order, ends, refusal.format(500 + k, "2023-01-01"))
+              for k, (order, ends) in enumerate(orders)]
+    [alert] = Collapse(CollapseConfig()).observe(1, unread, {})
+    assert alert.evidence["tasks"] == 5 and alert.severity == "critical"
+    # a number every task read (today's date in the user turns) is nobody's own
+    today = [rollout(f"t{k}", order, "2024-06-30", "Your window ended on 2024-06-30, sorry.")
+             for k, (order, _) in enumerate(orders)]
+    [alert] = Collapse(CollapseConfig()).observe(1, today, {})
+    assert alert.evidence["tasks"] == 5
+
+
 def test_collapse_ignores_agreement_within_one_task_and_pairs_of_tasks():
     detector = Collapse(CollapseConfig())
     same_within = [group("a", *["Sorting a list in place"] * 4), group("b", "JSON decoding", "Decoding JSON"),

@@ -39,11 +39,28 @@ def output_text(trajectory: Trajectory) -> str:
     return last.get("raw") or last.get("content") or ""
 
 
+def read_numbers(trajectory: Trajectory) -> list[str]:
+    """The number-bearing words of what a trajectory read before its output (its user turns and
+    tool results, normalised): the ids, dates and amounts a filled-in template quotes."""
+    read = " ".join(str(m.get("content") or "") for m in trajectory.messages if m.get("role") in ("user", "tool"))
+    return sorted({word for word in normalise(read).split() if any(c.isdigit() for c in word)})
+
+
+def filled_in(text: str, own_numbers: set[str]) -> bool:
+    """Whether ``text`` quotes one of its task's own numbers (``own_numbers``: read by few tasks)."""
+    return bool(own_numbers) and not own_numbers.isdisjoint(normalise(text).split())
+
+
 class Collapse(Detector):
     """Different tasks get the same (or near-same) output: a universal answer the reward likes.
 
     Samples of one task may legitimately agree, so a shared output counts by the number of
-    distinct tasks it appears in, never by how often one task repeats it.
+    distinct tasks it appears in, never by how often one task repeats it. An output that quotes
+    a number only its own task read (an order id, a date, an amount from its prompt or its tool
+    results; read by fewer than half the tasks) is a template filled in for that task, not one
+    text for every input, however alike the words around it: it is left out of the clusters.
+    (A policy could hide a universal text behind its task's id; that is left to the other
+    detectors and to reading samples.)
     """
 
     name = "collapse"
@@ -51,29 +68,39 @@ class Collapse(Detector):
 
     def __init__(self, config, cooldown_steps: int = 10):
         super().__init__(config, cooldown_steps)
-        self.recent: list[list[list[str]]] = []  # the outputs of the last pool_steps steps, newest last
+        self.recent: list[list[list]] = []  # the outputs of the last pool_steps steps, newest last
 
-    def pooled(self, groups: list[Group]) -> list[tuple[str, str, str]]:
-        """This step's outputs, plus earlier steps' until ``pool_tasks`` distinct tasks are covered
-        (evidence marks the ids of earlier steps' outputs ``@earlier``)."""
-        self.recent = (self.recent + [[list(o) for o in _outputs(groups)]])[-self.config.pool_steps:]
-        outputs: list[tuple[str, str, str]] = []
+    def pooled(self, groups: list[Group]) -> list[tuple[str, str, str, list[str]]]:
+        """This step's outputs (task, id, text, the numbers it read), plus earlier steps' until
+        ``pool_tasks`` distinct tasks are covered (evidence marks the ids of earlier steps' outputs
+        ``@earlier``)."""
+        read = [read_numbers(t) for g in groups for t in g.trajectories]
+        step_outputs = [[*output, numbers] for output, numbers in zip(_outputs(groups), read)]
+        self.recent = (self.recent + [step_outputs])[-self.config.pool_steps:]
+        outputs: list[tuple[str, str, str, list[str]]] = []
         for outputs_of_step in reversed(self.recent):
-            if len({task for task, _, _ in outputs}) >= self.config.pool_tasks:
+            if len({output[0] for output in outputs}) >= self.config.pool_tasks:
                 break
-            outputs += [(task, ident, text[:500]) for task, ident, text in outputs_of_step]
+            for task, ident, text, *numbers in outputs_of_step:  # a state saved before numbers: none
+                outputs.append((task, ident, text[:500], numbers[0] if numbers else []))
         return outputs
 
     def observe(self, step: int, groups: list[Group], metrics: dict[str, float]) -> list[Alert]:
         current = sum(len(g.trajectories) for g in groups)  # pooled() lists this step's outputs first
-        outputs = [(task, ident if i < current else f"{ident}@earlier", text)
-                   for i, (task, ident, text) in enumerate(self.pooled(groups))]
-        n_tasks = len({task for task, _, _ in outputs})
+        pooled = self.pooled(groups)
+        n_tasks = len({task for task, _, _, _ in pooled})
         if n_tasks < 2:
             self.value = math.nan
             return []
+        read_by: dict[str, set[str]] = {}
+        for task, _, _, numbers in pooled:
+            read_by.setdefault(task, set()).update(numbers)
+        readers = Counter(number for numbers in read_by.values() for number in numbers)  # tasks that read it
+        outputs = [(task, ident if i < current else f"{ident}@earlier", text)
+                   for i, (task, ident, text, numbers) in enumerate(pooled)
+                   if not filled_in(text, {n for n in numbers if 2 * readers[n] < n_tasks})]
         clusters = near_same_clusters([text for _, _, text in outputs], self.config.similarity, self.config.ngram)
-        cluster = max(clusters, key=lambda c: (len({outputs[i][0] for i in c}), len(c)))
+        cluster = max(clusters, key=lambda c: (len({outputs[i][0] for i in c}), len(c)), default=[])
         tasks = {outputs[i][0] for i in cluster}
         self.value = len(tasks) / n_tasks if len(tasks) >= 2 else 0.0
         severity = severity_above(self.value, self.config.warn_above, self.config.critical_above)
@@ -86,9 +113,9 @@ class Collapse(Detector):
             first_per_task.setdefault(outputs[i][0], outputs[i][1])
         examples = list(first_per_task.values())[:MAX_EXAMPLES]
         evidence = {"text": text, "outputs": len(cluster), "tasks": len(tasks), "step_tasks": n_tasks,
-                    "step_outputs": len(outputs), "share_of_tasks": rounded(self.value),
+                    "step_outputs": len(pooled), "share_of_tasks": rounded(self.value),
                     "variants": [{"text": v, "count": c} for v, c in variants], "examples": examples}
-        message = (f"{len(tasks)} of {n_tasks} tasks ({len(cluster)} of {len(outputs)} outputs) got the same "
+        message = (f"{len(tasks)} of {n_tasks} tasks ({len(cluster)} of {len(pooled)} outputs) got the same "
                    f"output: {clip(text, 120)!r}. One text for every input is a reward hack, not a skill.")
         return self.alert(step, self._key(text), severity, message, evidence)
 
