@@ -204,6 +204,30 @@ def test_run_states_reports_each_round(policy, env):
         env.close(state)
 
 
+def test_rollouts_run_in_waves_each_to_its_end_before_the_next(policy, env):
+    """192 helpdesk validation rollouts advanced together held 18 GB of KV caches: with a wave, at
+    most that many tasks' rollouts are in a batch; every task still gets its group, in order, and
+    progress counts the rounds and rollouts of all the waves as one run's."""
+    tasks = env.tasks("heldout", n=5)
+    batches, rounds = [], []
+
+    def generate(prompts, budgets, pasts=None):  # look someone up, then reply
+        batches.append(len(prompts))
+        texts = [call("find_customer", query="nobody") if policy.tokenizer.decode(p).count("assistant") < 2
+                 else call("reply", message="Done.") for p in prompts]
+        return [Turn(t, policy.tokenizer.encode(t, add_special_tokens=False) + [policy.end_of_turn_id],
+                     [-0.1] * (len(policy.tokenizer.encode(t, add_special_tokens=False)) + 1), "stop") for t in texts]
+
+    groups = env_groups(policy, env, tasks, 1, generate, 64, wave=2, on_round=lambda *args: rounds.append(args))
+    assert batches == [2, 2, 2, 2, 1, 1]  # waves of 2, 2 and 1 tasks, two turns each
+    assert [g.task["id"] for g in groups] == [t["id"] for t in tasks]
+    assert {t.metadata["state"]["finish"] for g in groups for t in g.trajectories} == {"answer"}
+    assert rounds == [(1, 0, 5), (2, 2, 5), (3, 2, 5), (4, 4, 5), (5, 4, 5), (6, 5, 5)]
+    batches.clear()
+    env_groups(policy, env, tasks, 1, generate, 64)
+    assert batches == [5, 5]
+
+
 def test_an_address_change(policy, env):
     change = task(env, "helpdesk-address-2-address")
     assert change["prompt"].endswith("change my address to 92 Oak Street, Lakeside.")
@@ -279,12 +303,12 @@ def test_bad_input_is_answered_and_counted_and_sql_stays_a_string(env):
 def test_tasks_are_deterministic_disjoint_and_a_third_refusals(env):
     train, heldout = env.tasks("train"), env.tasks("heldout")
     assert len(train) == 208 and len(heldout) == 48  # 4 tasks for each of 64 customers; ids 5, 10, ... held out
-    bigger = Helpdesk(customers=80)  # the agents example's first shop: 16 more people, 64 held-out tasks
+    bigger = Helpdesk(customers=80)  # the agents example's shop: 16 more people, 64 held-out tasks
     assert len(bigger.tasks("train")) == 256 and len(bigger.tasks("heldout")) == 64
     assert bigger.row(bigger.template, "SELECT count(DISTINCT name) AS n FROM customers") == {"n": 80}
     assert [r["name"] for r in bigger.rows(bigger.template, "SELECT name FROM customers WHERE id IN (1, 80)")] == [
         "Sara Chen", "Omar Patel"]  # as before shops could pass 100 people: the recorded runs' shop
-    biggest = Helpdesk(customers=240)  # the agents example's shop now: names from a third list past 100 people
+    biggest = Helpdesk(customers=240)  # 192 held-out tasks (docs/agents.md): names from a third list past 100
     assert len(biggest.tasks("train")) == 768 and len(biggest.tasks("heldout")) == 192
     assert biggest.row(biggest.template, "SELECT count(DISTINCT name) AS n FROM customers") == {"n": 240}
     with pytest.raises(ValueError, match="a shop has 1 to 256"):

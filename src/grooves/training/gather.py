@@ -13,20 +13,22 @@ import torch
 from grooves.envs.base import Env
 from grooves.envs.rollout import env_groups, sampler_generate
 from grooves.policy.policy import Policy
-from grooves.policy.sampler import Sampling
+from grooves.policy.sampler import MAX_BATCH_ROWS, Sampling
 from grooves.rewards.compose import Reward, RewardReport
 from grooves.types import Group, Message, Task, Trajectory
 
 
 def rollout_groups(policy: Policy, tasks: list[Task], prompts: list[list[Message]], n: int,
                    sampling: Sampling, generator: torch.Generator | None, policy_step: int,
-                   env: Env | None = None, on_round: Callable[[int, int, int], None] | None = None) -> list[Group]:
+                   env: Env | None = None, on_round: Callable[[int, int, int], None] | None = None,
+                   wave: int | None = None) -> list[Group]:
     """``n`` rollouts of each task; every trajectory records ``policy_step`` as its ``policy_version``
-    (the number of updates behind the adapter that sampled it) and in ``metadata["policy_step"]``."""
+    (the number of updates behind the adapter that sampled it) and in ``metadata["policy_step"]``.
+    An env's rollouts run ``wave`` tasks at a time (``env_groups``; None: all together)."""
     if env is not None:
         generate = sampler_generate(policy, sampling.temperature, sampling.top_p, generator)
         groups = env_groups(policy, env, tasks, n, generate, sampling.max_new_tokens, policy_step,
-                            on_round=on_round)
+                            on_round=on_round, wave=wave)
         for trajectory in (t for g in groups for t in g.trajectories):
             trajectory.policy_version = policy_step
         return groups
@@ -113,7 +115,8 @@ def evaluate(policy: Policy, tasks: list[Task], prompts: list[list[Message]], re
     generator = None
     if sampling.temperature > 0:
         generator = torch.Generator(device=policy.device).manual_seed(sampling.seed or 0)
-    groups = rollout_groups(policy, tasks, prompts, 1, sampling, generator, policy_step, env, on_round)
+    groups = rollout_groups(policy, tasks, prompts, 1, sampling, generator, policy_step, env, on_round,
+                            wave=MAX_BATCH_ROWS)  # an env's held-out rollouts: a decode batch at a time
     report = reward.score(groups)
     metrics = reward_metrics(groups, reward, report, prefix="val/reward")
     metrics["val/completion_len"], metrics["val/truncated_ratio"] = completion_stats(groups)
