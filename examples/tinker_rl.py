@@ -42,7 +42,7 @@ class RLSettings:
     max_tokens: int = 24
     heldout: int = 16  # held-out tasks scored greedily
     eval_every: int = 0  # 0: before the first step and after the last only
-    seed: int = 0
+    seed: int = 0  # the LoRA initialisation's and, with the step and prompt, each sample request's
 
 
 def prompt_ids(tokenizer, task: Task) -> list[int]:
@@ -91,7 +91,6 @@ def rl_loop(service: tinker.ServiceClient, base_model: str, settings: RLSettings
                                                    seed=settings.seed).result()
     tokenizer = training.get_tokenizer()
     adam = types.AdamParams(learning_rate=settings.learning_rate, beta1=0.9, beta2=0.95, eps=1e-8)
-    params = types.SamplingParams(max_tokens=settings.max_tokens, temperature=1.0)
     results: dict[int, float] = {}
     sampler = training.save_weights_and_get_sampling_client().result()
     results[0] = heldout_reward(sampler, tokenizer, heldout, reward, settings.max_tokens)
@@ -101,7 +100,12 @@ def rl_loop(service: tinker.ServiceClient, base_model: str, settings: RLSettings
         first = (step - 1) * settings.prompts_per_step
         tasks = [train[(first + i) % len(train)] for i in range(settings.prompts_per_step)]
         prompts = [prompt_ids(tokenizer, t) for t in tasks]
-        futures = [sampler.sample(types.ModelInput.from_ints(p), settings.group_size, params) for p in prompts]
+        # A seed per request: each request then draws from its own generator, whatever else the
+        # service decodes beside it (unseeded, a run's samples depended on the requests' timing).
+        futures = [sampler.sample(types.ModelInput.from_ints(p), settings.group_size,
+                                  types.SamplingParams(max_tokens=settings.max_tokens, temperature=1.0,
+                                                       seed=settings.seed * 1_000_000 + step * 1000 + i))
+                   for i, p in enumerate(prompts)]
         datums, means = [], []
         for task, prompt, future in zip(tasks, prompts, futures):
             sequences = future.result().sequences
@@ -134,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="base model: the spec the service trains (default: %(default)s)")
     helps = {"steps": "training steps", "prompts_per_step": "training prompts per step",
              "group_size": "titles sampled per prompt", "rank": "LoRA rank", "max_tokens": "new tokens per title",
-             "heldout": "held-out tasks scored greedily", "seed": "LoRA initialisation seed",
+             "heldout": "held-out tasks scored greedily", "seed": "seed of the LoRA initialisation and of the sampling",
              "eval_every": "score the held-out tasks every N steps too (0: before and after only)"}
     for name, text in helps.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
