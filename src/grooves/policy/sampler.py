@@ -54,13 +54,10 @@ def encode_prompt(policy, prompt: Prompt) -> list[int]:
     return list(prompt)
 
 
-MAX_BATCH_ROWS = 64  # rows a decode batch holds at most
-
-
 class Sampler:
     """Generates completions for many prompts x ``n`` samples in one batch."""
 
-    def __init__(self, policy, max_batch_rows: int = MAX_BATCH_ROWS):
+    def __init__(self, policy, max_batch_rows: int = 64):
         self.policy = policy
         self.max_batch_rows = max_batch_rows
 

@@ -13,7 +13,7 @@ import torch
 from grooves.envs.base import Env
 from grooves.envs.rollout import env_groups, sampler_generate
 from grooves.policy.policy import Policy
-from grooves.policy.sampler import MAX_BATCH_ROWS, Sampling
+from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import Reward, RewardReport
 from grooves.types import Group, Message, Task, Trajectory
 
@@ -115,8 +115,10 @@ def evaluate(policy: Policy, tasks: list[Task], prompts: list[list[Message]], re
     generator = None
     if sampling.temperature > 0:
         generator = torch.Generator(device=policy.device).manual_seed(sampling.seed or 0)
-    groups = rollout_groups(policy, tasks, prompts, 1, sampling, generator, policy_step, env, on_round,
-                            wave=MAX_BATCH_ROWS)  # an env's held-out rollouts: a decode batch at a time
+    # An env's held-out rollouts keep their KV caches in this process: one decode batch of tasks at a
+    # time (an engine's sampler keeps its caches on its server and has no such batch).
+    wave = getattr(policy.sampler(), "max_batch_rows", None)
+    groups = rollout_groups(policy, tasks, prompts, 1, sampling, generator, policy_step, env, on_round, wave=wave)
     report = reward.score(groups)
     metrics = reward_metrics(groups, reward, report, prefix="val/reward")
     metrics["val/completion_len"], metrics["val/truncated_ratio"] = completion_stats(groups)
