@@ -79,6 +79,34 @@ def test_every_position_gets_its_logprob_when_only_the_completion_is_trained(ser
         assert (answered - expected).abs().max().item() < 1e-5
 
 
+def test_a_groups_prompt_runs_through_the_model_once_log_probs_and_loss_together(service):
+    # the answer's log-probs of the prompt's positions come from the training forward's own hidden
+    # states: no second forward of the prompt to fill them in
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 200, (12,), generator=gen).tolist()
+    datums = []
+    for advantage in (0.5, -0.3, 0.8):
+        sequence = prompt + torch.randint(3, 200, (4,), generator=gen).tolist()
+        on = [0.0] * (len(prompt) - 1) + [1.0] * 4
+        datums.append(types.Datum(model_input=types.ModelInput.from_ints(sequence[:-1]),
+                                  loss_fn_inputs={"target_tokens": sequence[1:], "logprobs": [-5.0 * w for w in on],
+                                                  "advantages": [advantage * w for w in on]}))
+    tokens = []
+    decoder = service.backend.policy.causal_lm.get_decoder()
+    hook = decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: tokens.append((kwargs.get("input_ids") if args == () else args[0]).numel()),
+        with_kwargs=True)
+    sdk = tinker.ServiceClient(base_url=service.base_url, api_key=service.keys["alice"])
+    try:
+        training = sdk.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+        out = training.forward_backward(datums, "ppo").result()
+    finally:
+        hook.remove()
+        sdk.close("success").result(timeout=60)
+    assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [15, 15, 15]
+    assert sum(tokens) == len(prompt) + 3 * 3  # the prompt once, then each completion's own inputs
+
+
 def wait_until(condition, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -9,8 +9,10 @@ or more tokens and a completion of a few dozen, and a group's completions share 
 So the service runs each datum from its first position in the loss (``Datum.start``): the
 trainer then reads a prompt shared by a group once, as the in-process step does, and takes the
 output head only where the loss is. The positions before it still get their log-probs, as the
-Tinker API returns them: without gradient, one forward for each distinct context (a group's
-prompt once, not once per completion).
+Tinker API returns them, without gradient: from the final hidden states the trainer's own forward
+computed for a group's shared prompt (``keep_prefix_states``: only the output head runs again), or
+where no such prompt covers them (a lone datum, or a context past the shared prompt) from one
+forward for each distinct context.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from grooves.policy.logprobs import completion_logprobs
+from grooves.policy.logprobs import completion_logprobs, keep_prefix_states
 from grooves.training.datums import Datum, DatumBatch, ForwardBackwardOutput
 
 # the loss input whose zeros leave a position out of the loss
@@ -42,22 +44,34 @@ def forward_backward(trainer, datums: list[Datum], loss_fn: str, config, backwar
     """``trainer.forward_backward`` over each datum's loss positions, with the log-probs of every
     position in the answer (those before the loss computed without gradient)."""
     starts = [max(d.start, loss_start(d, loss_fn)) for d in datums]
-    out = trainer.forward_backward([replace(d, start=s) for d, s in zip(datums, starts, strict=True)], loss_fn,
-                                   config, backward=backward)
+    with keep_prefix_states() as kept:
+        out = trainer.forward_backward([replace(d, start=s) for d, s in zip(datums, starts, strict=True)], loss_fn,
+                                       config, backward=backward)
     if not out.finite:
         return out
-    context = _context_logprobs(trainer, datums, starts)
+    if _dropout_at_work(trainer.policy.causal_lm):
+        kept = []
+    context = _context_logprobs(trainer, datums, starts, kept)
     out.logprobs = [torch.cat([before, logp]) for before, logp in zip(context, out.logprobs, strict=True)]
     return out
 
 
 @torch.no_grad()
-def _context_logprobs(trainer, datums: list[Datum], starts: list[int]) -> list[torch.Tensor]:
+def _context_logprobs(trainer, datums: list[Datum], starts: list[int], kept: list) -> list[torch.Tensor]:
     """Each datum's log-probs over positions ``d.start .. start - 1`` (its own start: what the answer
-    holds before the loss), one forward per distinct context."""
+    holds before the loss): from ``kept`` prefix states that cover the context, else one forward per
+    distinct context."""
     keys = [(tuple(d.tokens[: s]), tuple(d.target_tokens[: s]), d.start) for d, s in zip(datums, starts, strict=True)]
-    distinct = [key for key in dict.fromkeys(keys) if len(key[0]) > key[2]]
     found: dict[tuple, torch.Tensor] = {}
+    distinct = []
+    for key in dict.fromkeys(keys):
+        if len(key[0]) <= key[2]:
+            continue
+        hidden = _covering(kept, key[0])
+        if hidden is None:
+            distinct.append(key)
+        else:
+            found[key] = _head_logprobs(trainer, hidden[key[2]: len(key[0])], key[1][key[2]:])
     if distinct:
         batch = DatumBatch.build([Datum(list(t), list(g), start=s) for t, g, s in distinct], trainer.policy.device)
         lm = trainer.policy.causal_lm
@@ -70,3 +84,29 @@ def _context_logprobs(trainer, datums: list[Datum], starts: list[int]) -> list[t
         for row, key in enumerate(distinct):
             found[key] = logp[row, : batch.lengths[row]].cpu()
     return [found.get(key, torch.zeros(0)) for key in keys]
+
+
+def _covering(kept: list, tokens: tuple[int, ...]) -> torch.Tensor | None:
+    """The hidden states ``(P, H)`` of a kept prefix that begins with ``tokens``, or None."""
+    for ids, hidden in kept:
+        if len(ids) >= len(tokens) and ids[: len(tokens)].tolist() == list(tokens):
+            return hidden
+    return None
+
+
+def _head_logprobs(trainer, hidden: torch.Tensor, targets: tuple[int, ...]) -> torch.Tensor:
+    """Log-probs of ``targets`` from final hidden states ``(N, H)``: the output head, the sampling
+    temperature, a log-softmax over the vocabulary (as ``completion_logprobs``)."""
+    logits = trainer.policy.causal_lm.get_output_embeddings()(hidden).float()  # (N, V)
+    if trainer.temperature > 0 and trainer.temperature != 1:
+        logits = logits / trainer.temperature
+    picked = torch.tensor(targets, device=logits.device)[:, None]
+    return torch.log_softmax(logits, -1).gather(-1, picked)[:, 0].cpu()
+
+
+def _dropout_at_work(module: torch.nn.Module) -> bool:
+    """Whether a training forward drops anything: its hidden states would then differ from the
+    evaluation-mode forward the answer's log-probs come from."""
+    attention = float(getattr(getattr(module, "config", None), "attention_dropout", 0.0) or 0.0)
+    return (module.training and attention > 0) or any(
+        isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training for m in module.modules())

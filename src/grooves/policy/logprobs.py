@@ -20,12 +20,17 @@ prompt positions, tool results and env text never get full-vocabulary logits.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from grooves.types import Trajectory
+
+_kept_prefixes: ContextVar[list | None] = ContextVar("grooves_kept_prefixes", default=None)
 
 PACK_ROWS = True
 """Run a shared prefix's rows as one sequence without padding (``_packed_rows``)."""
@@ -128,6 +133,19 @@ def shared_prefix_logprobs(
     return SharedPrefix(causal_lm, batch.input_ids[0, :shared]).logprobs(batch, temperature, with_entropy)
 
 
+@contextlib.contextmanager
+def keep_prefix_states() -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Within it, each ``SharedPrefix`` made also keeps ``(prefix ids (P,), its final hidden
+    states (P, H), detached)`` in the list it yields: a training service answers the log-probs of
+    a prompt's positions from them instead of running the prompt again (``grooves.backend.positions``)."""
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    token = _kept_prefixes.set(kept)
+    try:
+        yield kept
+    finally:
+        _kept_prefixes.reset(token)
+
+
 class SharedPrefix:
     """A prefix that many rows begin with, run once for all of them; ``logprobs`` runs rows against
     its KV cache (the same numbers as ``completion_logprobs``).
@@ -148,6 +166,9 @@ class SharedPrefix:
                                          use_cache=True).last_hidden_state  # (1, P, H)
         if not all(type(layer) is DynamicLayer for layer in cache.layers):  # e.g. sliding windows cut the cache
             raise ValueError("SharedPrefix needs a model whose cache keeps every position")
+        kept = _kept_prefixes.get()
+        if kept is not None:
+            kept.append((prefix_ids, hidden[0].detach()))
         # index 0 predicts a row's first completion token when its prompt is the whole prefix
         self._outputs = [hidden[:, -1:]] + [t for layer in cache.layers for t in (layer.keys, layer.values)]
         self._inputs = [t.detach().requires_grad_(t.requires_grad) for t in self._outputs] if detached \
