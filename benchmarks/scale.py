@@ -186,7 +186,9 @@ def train(args, runs: Path, name: str) -> dict:
             "wait": statistics.median(row.get("train/wait_time", math.nan) for row in rows),
             "sample": statistics.fmean(row["train/sample_time"] for row in rows),
             "update": statistics.fmean(row.get("train/step_time", 0.0) for row in rows),  # 0 for a skipped step
-            "judge": statistics.fmean(judge)}
+            "judge": statistics.fmean(judge), "mean_step": statistics.fmean(times),
+            "mean_wait": statistics.fmean(row.get("train/wait_time", math.nan) for row in rows),
+            "generate": statistics.fmean(row.get("train/generate_time", math.nan) for row in rows)}
 
 
 def measure(args, runs: Path, name: str) -> dict:
@@ -243,6 +245,23 @@ def ceiling(sync: dict, one_thread: dict) -> tuple[float, str]:
     return sync_step / floor, why
 
 
+def where_the_time_goes(asynchronous: dict, sync: dict, one_thread: dict) -> str:
+    """Where an async step's time went (means over steps 2..N), beside each job's cost alone.
+
+    The trainer's step is its wait for the batch, its update and the rest of the loop (monitors,
+    the run store); the sampler's generation of a batch ran meanwhile. Alone, on one thread and on
+    every thread, they cost what ``ceiling`` read from the synchronous runs: a job that runs beside
+    the other slower than alone on one thread is losing to sharing the cores, caches and memory
+    bandwidth, which no floor counts."""
+    step, wait, update = asynchronous["mean_step"], asynchronous["mean_wait"], asynchronous["update"]
+    generate1, generate = one_thread["sample"] - one_thread["judge"], sync["sample"] - sync["judge"]
+    return (f"{step:.2f} s on average: waiting for the batch {wait:.2f} s, the update {update:.2f} s "
+            f"({update / one_thread['update']:.2f}x its one-thread cost alone, {update / sync['update']:.2f}x "
+            f"its cost on every thread), the rest of the loop {step - wait - update:.2f} s; meanwhile the "
+            f"sampler generated a batch in {asynchronous['generate']:.2f} s ({asynchronous['generate'] / generate1:.2f}x "
+            f"alone on one thread, {asynchronous['generate'] / generate:.2f}x on every thread)")
+
+
 def heldout(args, runs: Path, name: str) -> list[float]:
     """Greedy rewards of a mode's trained adapter (its last checkpoint) on the first held-out tasks."""
     from grooves.policy import Policy
@@ -294,10 +313,12 @@ def main() -> None:
         runs = Path(folder)
         args.judge_url = judge.base_url
         sync = measure(args, runs, "sync")
-        async_spm = measure(args, runs, "async")["spm"]
+        asynchronous = measure(args, runs, "async")
+        async_spm = asynchronous["spm"]
         thread_spm = math.nan if args.no_thread else measure(args, runs, "thread")["spm"]
         ray2_spm = math.nan if args.no_ray else measure(args, runs, "ray2")["spm"]
-        bound = None if args.no_ceiling else ceiling(sync, measure(args, runs, "sync1"))
+        one_thread = None if args.no_ceiling else measure(args, runs, "sync1")
+        bound = None if one_thread is None else ceiling(sync, one_thread)
         a, b = heldout(args, runs, "sync"), heldout(args, runs, "async")
     pairs = [(x, y) for x, y in zip(a, b) if x == x and y == y]
     diffs = [y - x for x, y in pairs]
@@ -310,6 +331,7 @@ def main() -> None:
         print(f"ceiling: async k = 1 cannot beat {bound[0]:.2f}x the synchronous loop on this machine now: {bound[1]}")
         async_ceiling = async_spm / (sync["spm"] * bound[0])  # the ceiling's steps/min: 60 s over the floor
         print(f"async/ceiling: {async_ceiling:.2f} of the most async k = 1 can reach here (goal >= 0.90)")
+        print(f"async step: {where_the_time_goes(asynchronous, sync, one_thread)}")
     print(f"async/sync throughput: {async_spm / sync_spm:.2f}x (goal >= 1.5x); with a sampler thread instead "
           f"of a process: {thread_spm / sync_spm:.2f}x; ray2/sync: "
           f"{ray2_spm / sync_spm:.2f}x; held-out async - sync: {heldout_async - heldout_sync:+.3f} "

@@ -89,11 +89,12 @@ def pipeline_over(rollouts, sets, last: int):
 
     def produce(step: int) -> Batch:
         started[step].set()
+        t0 = time.perf_counter()
         drawn = [(sets[0], task) for task in sets[0].train[2 * step - 2: 2 * step]]
         reports = {s.name: RewardReport() for s in sets}
         groups = rollouts.rollout(drawn, step, 1, reports)
         sampled[step].set()
-        return Batch(step, groups, list(groups), reports, 1, 0.0)
+        return Batch(step, groups, list(groups), reports, 1, time.perf_counter() - t0)  # as the loop's
 
     return AsyncPipeline(rollouts, produce, 0, k=1, first=1, last=last), started, sampled
 
@@ -186,6 +187,7 @@ def test_a_sampler_thread_with_defer_samples_the_next_batch_while_the_judge_hold
         one, two = pipeline.take(1), pipeline.take(2)
         assert judged(one) == judged(two) == pytest.approx([0.7] * 2 * G)
         assert one.sample_time > 0 and versions(one) == versions(two) == {0}
+        assert 0 < one.generate_time < one.sample_time  # its sampling alone, then the judge held it
     finally:
         judge.release.set()
         pipeline.close()

@@ -194,6 +194,8 @@ class TrainingRun(AlertHandling):
         metrics["train/groups_dropped"] = float(len(sampled) - len(kept))
         tokens = sum(len(t.completion_ids) for g in sampled for t in g.trajectories)
         metrics["train/sample_time"] = sample_time
+        if batch.generate_time is not None:  # the scoring ran apart: the generation's own share of it
+            metrics["train/generate_time"] = batch.generate_time
         metrics["train/tokens_per_s"] = tokens / sample_time
         metrics["train/wait_time"] = time.perf_counter() - t0  # sampling the update waited for
         metrics.update(staleness_metrics(sampled, self.trainer.step))

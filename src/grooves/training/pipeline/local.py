@@ -54,6 +54,7 @@ class Batch:
     rounds: int
     sample_time: float
     position: dict = field(default_factory=dict)  # tasks, prompts_skipped, generator (RNG state)
+    generate_time: float | None = None  # the sampling alone, where its scoring ran apart (async)
 
 
 def adapter_state(policy: Policy) -> dict[str, torch.Tensor]:
@@ -312,6 +313,7 @@ class AsyncPipeline:
             except BaseException as error:  # noqa: BLE001 - handed to the loop, which raises it
                 self._fail(error)
                 return
+            batch.generate_time = batch.sample_time  # the batch's own time until now: sampling only
             batch.sample_time = time.perf_counter() - start  # sampled and scored
             self._ready(batch)
 
