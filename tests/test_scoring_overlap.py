@@ -71,9 +71,9 @@ def judge():
         held.release.set()  # no request left hanging when the server stops
 
 
-def judged_config(tmp_path, url: str) -> RunConfig:
+def judged_config(tmp_path, url: str, sampler: str = "process") -> RunConfig:
     """The tiny async run (plain GRPO, k = 1) with the judge as a third, required component."""
-    data = async_config(tmp_path, k=1, async_sampler="process").model_dump()
+    data = async_config(tmp_path, k=1, async_sampler=sampler).model_dump()
     data["reward"]["endpoints"] = {"held": {"base_url": url, "model": "judge", "api_key_env": None,
                                             "timeout": 30.0, "max_retries": 0}}
     data["reward"]["components"].append({"kind": "judge", "name": "judge", "endpoint": "held", "weight": 0.1,
@@ -212,3 +212,19 @@ def test_a_judge_that_fails_in_a_run_with_a_sampler_process_is_an_alert_and_nan_
     assert len(alerts) == 1 and "422" in alerts[0]["evidence"]["first_error"]
     assert len(stored) == 2 * 2 * 4  # 2 steps of 2 tasks x 4 (the run's group size), scored in the child
     assert all(json.loads(d)["metadata"]["reasons"]["judge"].startswith("failed: ") for (d,) in stored)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_run_with_a_sampler_thread_scores_apart_unless_the_draw_reads_the_rewards(tmp_path, judge, dynamic):
+    judge.release.set()
+    config = judged_config(tmp_path, judge.url, sampler="thread")
+    config.steps = 2
+    config.algorithm.dynamic_sampling = dynamic
+    by_step = rows(run_config(config, out=tmp_path / "run", progress=False))
+    assert sorted(by_step) == [1, 2]
+    for row in by_step.values():
+        assert row["reward/judge"] == pytest.approx(0.7)
+        # train/generate_time: the batch's sampling alone, recorded where its scoring ran apart
+        assert ("train/generate_time" in row) is not dynamic
+        if not dynamic:
+            assert 0 < row["train/generate_time"] <= row["train/sample_time"]

@@ -38,7 +38,7 @@ from grooves.training.pipeline.engine import EngineRollouts
 from grooves.training.pipeline.process import ProcessRollouts
 from grooves.training.pipeline.ray_workers import RayEngineRollouts, RayRollouts
 from grooves.training.pipeline.local import (AsyncPipeline, Batch, LocalRollouts, SyncPipeline, drop_after,
-                                             staleness_metrics)
+                                             scores_with, staleness_metrics)
 from grooves.training import ddp
 from grooves.training.alerting import AlertHandling
 from grooves.training.config import ConfigError, RunConfig
@@ -90,6 +90,7 @@ class TrainingRun(AlertHandling):
         self._reported_errors: set[tuple[str, str]] = set()
         self.evaluations: dict[int, Evaluation] = {}
         self._sampling_lock = threading.Lock()  # validation never overlaps an async batch's sampling
+        self._scoring_lock = threading.Lock()  # nor its scoring apart in this process (the same rewards)
         for task_set in task_sets:
             for warning in task_set.check():
                 self.console.print(f"[yellow]warning[/]: {escape(warning)}")
@@ -161,15 +162,18 @@ class TrainingRun(AlertHandling):
         elif k > 0 and self.config.train.async_sampler == "process":
             rollouts = ProcessRollouts(self.config, self.policy, self.sets, group_size, self.sampling,
                                        runs=self.run_dir.parent)
-        else:
-            rollouts = LocalRollouts(self.policy, self.sets, group_size, self.sampling, self.generator, copy=k > 0)
+        else:  # async: a scorer thread judges a batch while the sampler thread samples the next one
+            defer = k > 0 and not self.config.algorithm.dynamic_sampling and not scores_with(self.sets, self.policy)
+            rollouts = LocalRollouts(self.policy, self.sets, group_size, self.sampling, self.generator, copy=k > 0,
+                                     defer=defer)
         self.rollouts = rollouts
         if k == 0:
             if isinstance(rollouts, LocalRollouts):
                 rollouts.on_phase = lambda phase: self.progress.phase(phase, log=False)
             return SyncPipeline(rollouts, self._produce, start)
         return AsyncPipeline(rollouts, self._produce, start, k=k, first=start + 1, last=self.config.steps,
-                             lock=self._sampling_lock)
+                             lock=self._sampling_lock,
+                             score_lock=self._scoring_lock if isinstance(rollouts, LocalRollouts) else None)
 
     def _produce(self, step: int) -> Batch:
         """Sample and score the batch of ``step``; note where the task draws stand after it."""
@@ -295,7 +299,7 @@ class TrainingRun(AlertHandling):
         for task_set in self.sets:
             tasks = self.heldout[task_set.name]
             if tasks:
-                with self._sampling_lock:
+                with self._sampling_lock, self._scoring_lock:
                     evaluation = evaluate(policy, tasks, [task_set.render(t) for t in tasks],
                                           task_set.reward, self.val_sampling, step, task_set.env,
                                           self._round_reporter(task_set.name))

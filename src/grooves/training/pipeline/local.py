@@ -93,6 +93,13 @@ def merge_report(into: RewardReport, other: RewardReport) -> None:
         into.add_counters(key, {}, counters)
 
 
+def scores_with(sets: list, policy: Policy) -> bool:
+    """Whether a reward model scores with the policy's own weights (``share_backbones``): it switches
+    the adapter off while it scores, so it must not score while the sampler generates."""
+    return any(getattr(getattr(c, "model", None), "base", None) is not None and c.model.base[0] is policy.model
+               for s in sets for c in s.reward.components)
+
+
 class LocalRollouts:
     """Sample and score in this process, with the trainer's policy or (``copy=True``) a sampler copy.
 
@@ -236,11 +243,12 @@ class AsyncPipeline:
     most k batches are being scored while the next one is sampled; the scorer takes them in order."""
 
     def __init__(self, rollouts, produce: Produce, version: int, *, k: int, first: int, last: int,
-                 lock: threading.Lock | None = None):
+                 lock: threading.Lock | None = None, score_lock: threading.Lock | None = None):
         self.rollouts = rollouts
         self.produce = produce
         self.k = k
         self.lock = lock or threading.Lock()  # held while a batch is collected (the loop validates under it)
+        self.score_lock = score_lock or threading.Lock()  # held while a batch is scored apart (the same)
         self._cond = threading.Condition()
         self._published: tuple[int, object] = (version, rollouts.snapshot())
         self._batches: dict[int, Batch] = {}
@@ -308,8 +316,9 @@ class AsyncPipeline:
             if self._stop:
                 continue
             try:
-                for scoring in scorings:
-                    scoring()
+                with self.score_lock:
+                    for scoring in scorings:
+                        scoring()
             except BaseException as error:  # noqa: BLE001 - handed to the loop, which raises it
                 self._fail(error)
                 return

@@ -40,7 +40,7 @@ from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
 from grooves.training.build import load_policy, share_backbones, task_sets
 from grooves.training.config import RunConfig
-from grooves.training.pipeline.local import LocalRollouts, adapter_state, fill_in, merge_report
+from grooves.training.pipeline.local import LocalRollouts, adapter_state, fill_in, merge_report, scores_with
 from grooves.types import Group
 
 RESTARTS = 3  # a call whose child dies more often than this gives up
@@ -66,7 +66,7 @@ def serve(conn, scoring, config: RunConfig, runs: str | None, group_size: int, s
     except BaseException as error:  # noqa: BLE001 - the parent raises it
         conn.send(("error", _portable(error)))
         return
-    conn.send(("ok", not _scores_with(sets, policy)))
+    conn.send(("ok", not scores_with(sets, policy)))
 
     def sample(method: str, args: tuple):
         if method == "apply":
@@ -105,13 +105,6 @@ def _answer(conn, handle) -> None:
             conn.send(("error", _portable(error)))
         else:
             conn.send(("ok", result))
-
-
-def _scores_with(sets: list, policy) -> bool:
-    """Whether a reward model scores with the policy's own weights (``share_backbones``): it switches
-    the adapter off while it scores, so it must not score while the sampler generates."""
-    return any(getattr(getattr(c, "model", None), "base", None) is not None and c.model.base[0] is policy.model
-               for s in sets for c in s.reward.components)
 
 
 def _portable(error: BaseException) -> BaseException:
