@@ -326,11 +326,13 @@ def main() -> None:
     heldout_sync = statistics.fmean(x for x, _ in pairs)
     heldout_async = statistics.fmean(y for _, y in pairs)
     sync_spm = sync["spm"]
-    async_ceiling = math.nan
+    async_ceiling = thread_ceiling = math.nan
     if bound is not None:
         print(f"ceiling: async k = 1 cannot beat {bound[0]:.2f}x the synchronous loop on this machine now: {bound[1]}")
         async_ceiling = async_spm / (sync["spm"] * bound[0])  # the ceiling's steps/min: 60 s over the floor
-        print(f"async/ceiling: {async_ceiling:.2f} of the most async k = 1 can reach here (goal >= 0.90)")
+        thread_ceiling = thread_spm / (sync["spm"] * bound[0])
+        print(f"async/ceiling: {async_ceiling:.2f} of the most async k = 1 can reach here (goal >= 0.90); "
+              f"with a sampler thread: {thread_ceiling:.2f}")
         print(f"async step: {where_the_time_goes(asynchronous, sync, one_thread)}")
     print(f"async/sync throughput: {async_spm / sync_spm:.2f}x (goal >= 1.5x); with a sampler thread instead "
           f"of a process: {thread_spm / sync_spm:.2f}x; ray2/sync: "
@@ -338,7 +340,7 @@ def main() -> None:
           f"(stderr {stderr:.3f}, {len(pairs)} tasks)")
     print(f"scale sync_spm={sync_spm:.3f} async_spm={async_spm:.3f} ray2_spm={ray2_spm:.3f} "
           f"heldout_sync={heldout_sync:.4f} heldout_async={heldout_async:.4f} stderr={stderr:.4f} "
-          f"async_ceiling={async_ceiling:.3f}")
+          f"async_ceiling={async_ceiling:.3f} thread_ceiling={thread_ceiling:.3f}")
 
 
 if __name__ == "__main__":
