@@ -18,11 +18,12 @@ the pipeline). After training, the policies of the synchronous and the async run
 greedily on the same held-out tasks; the standard error is that of the mean per-task
 difference. The last line is machine-readable:
 
-    scale sync_spm=X async_spm=Y ray2_spm=Z heldout_sync=A heldout_async=B stderr=S async_ceiling=C
+    scale sync_spm=X async_spm=Y ray2_spm=Z heldout_sync=A heldout_async=B stderr=S async_ceiling=C thread_ceiling=D
 
 ``async_ceiling`` is the async run's share of the ceiling (below): ``async_spm`` over the steps
 per minute of a k = 1 step at its floor, the most async k = 1 can reach on this machine's cores
-(goal 0.90 on the recorded setting; nan with ``--no-ceiling``).
+(goal 0.90 on the recorded setting; nan with ``--no-ceiling``); ``thread_ceiling`` the same for
+the run with a sampler thread (nan with ``--no-thread``).
 
     pip install -e '.[ray]'
     python benchmarks/scale.py                # the recorded setting (docs/benchmarks.md)
