@@ -211,6 +211,11 @@ def measure(args, runs: Path, name: str) -> dict:
     return result
 
 
+def generation(run: dict) -> float:
+    """A synchronous run's generation of a batch: its sampling less the judge's wait (no CPU here)."""
+    return run["sample"] - run["judge"]
+
+
 def ceiling(sync: dict, one_thread: dict) -> tuple[float, str]:
     """The most async k = 1 can gain over the synchronous loop on this machine's cores, and why.
 
@@ -232,8 +237,8 @@ def ceiling(sync: dict, one_thread: dict) -> tuple[float, str]:
     """
     cores = len(os.sched_getaffinity(0))
     judge = one_thread["judge"]
-    generate1, update1 = one_thread["sample"] - judge, one_thread["update"]
-    generate, update = sync["sample"] - sync["judge"], sync["update"]
+    generate1, update1 = generation(one_thread), one_thread["update"]
+    generate, update = generation(sync), sync["update"]
     speedup = min(float(cores), max(generate1 / generate, update1 / update))
     work = judge + max(0.0, generate1 + update1 - speedup * judge) / cores
     chain = (generate + judge + update) / 2
@@ -255,7 +260,7 @@ def where_the_time_goes(asynchronous: dict, sync: dict, one_thread: dict) -> str
     the other slower than alone on one thread is losing to sharing the cores, caches and memory
     bandwidth, which no floor counts."""
     step, wait, update = asynchronous["mean_step"], asynchronous["mean_wait"], asynchronous["update"]
-    generate1, generate = one_thread["sample"] - one_thread["judge"], sync["sample"] - sync["judge"]
+    generate1, generate = generation(one_thread), generation(sync)
     return (f"{step:.2f} s on average: waiting for the batch {wait:.2f} s, the update {update:.2f} s "
             f"({update / one_thread['update']:.2f}x its one-thread cost alone, {update / sync['update']:.2f}x "
             f"its cost on every thread), the rest of the loop {step - wait - update:.2f} s; meanwhile the "

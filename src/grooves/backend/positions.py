@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from grooves.policy.logprobs import completion_logprobs, keep_prefix_states
+from grooves.policy.logprobs import completion_logprobs, keep_prefix_states, vocab_logprobs
 from grooves.training.datums import Datum, DatumBatch, ForwardBackwardOutput
 
 # the loss input whose zeros leave a position out of the loss
@@ -65,13 +65,15 @@ def _context_logprobs(trainer, datums: list[Datum], starts: list[int], kept: lis
     found: dict[tuple, torch.Tensor] = {}
     distinct = []
     for key in dict.fromkeys(keys):
-        if len(key[0]) <= key[2]:
+        tokens, targets, start = key
+        if len(tokens) <= start:
             continue
-        hidden = _covering(kept, key[0])
+        hidden = _covering(kept, tokens)
         if hidden is None:
             distinct.append(key)
-        else:
-            found[key] = _head_logprobs(trainer, hidden[key[2]: len(key[0])], key[1][key[2]:])
+            continue
+        logp = vocab_logprobs(trainer.policy.causal_lm, hidden[start: len(tokens)], trainer.temperature)
+        found[key] = logp.gather(-1, torch.tensor(targets[start:], device=logp.device)[:, None])[:, 0].cpu()
     if distinct:
         batch = DatumBatch.build([Datum(list(t), list(g), start=s) for t, g, s in distinct], trainer.policy.device)
         lm = trainer.policy.causal_lm
@@ -92,16 +94,6 @@ def _covering(kept: list, tokens: tuple[int, ...]) -> torch.Tensor | None:
         if len(ids) >= len(tokens) and ids[: len(tokens)].tolist() == list(tokens):
             return hidden
     return None
-
-
-def _head_logprobs(trainer, hidden: torch.Tensor, targets: tuple[int, ...]) -> torch.Tensor:
-    """Log-probs of ``targets`` from final hidden states ``(N, H)``: the output head, the sampling
-    temperature, a log-softmax over the vocabulary (as ``completion_logprobs``)."""
-    logits = trainer.policy.causal_lm.get_output_embeddings()(hidden).float()  # (N, V)
-    if trainer.temperature > 0 and trainer.temperature != 1:
-        logits = logits / trainer.temperature
-    picked = torch.tensor(targets, device=logits.device)[:, None]
-    return torch.log_softmax(logits, -1).gather(-1, picked)[:, 0].cpu()
 
 
 def _dropout_at_work(module: torch.nn.Module) -> bool:

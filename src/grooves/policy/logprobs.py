@@ -275,15 +275,21 @@ def _packing_pays(config, shared: int, lengths: list[int], padded: int) -> bool:
     return packed < padded_cost
 
 
+def vocab_logprobs(causal_lm, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs over the vocabulary ``(N, V)`` from final hidden states ``(N, H)``: the output
+    head, then the sampling temperature."""
+    logits = causal_lm.get_output_embeddings()(hidden).float()  # (N, V)
+    if temperature > 0 and temperature != 1:  # x / 1 is x: no pass over the (N, V) logits
+        logits = logits / temperature
+    return F.log_softmax(logits, dim=-1)
+
+
 def _head_logprobs(causal_lm, picked, batch, temperature, with_entropy):
     """Log-probs (and entropies) of the targets at the trained positions (mask > 0) only: an
     agent's completion is mostly tool results and the env's text, which never get gradient, and
     the vocabulary-wide head is the costliest part of a position. Other positions are 0."""
     keep = batch.mask > 0  # (B, T)
-    logits = causal_lm.get_output_embeddings()(picked[keep]).float()  # (N, V)
-    if temperature > 0 and temperature != 1:  # x / 1 is x: no pass over the (N, V) logits
-        logits = logits / temperature
-    logp_all = F.log_softmax(logits, dim=-1)
+    logp_all = vocab_logprobs(causal_lm, picked[keep], temperature)  # (N, V)
     picked_logp = logp_all.gather(-1, batch.targets[keep][:, None]).squeeze(-1)  # (N,)
     logp = torch.zeros(keep.shape, dtype=picked_logp.dtype, device=keep.device).masked_scatter(keep, picked_logp)
     entropy = None
