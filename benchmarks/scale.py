@@ -8,9 +8,10 @@ The task is the demo's (titles, the bundled SmolLM2-135M-Instruct, LoRA rank 8);
 the demo's title verifier plus a pointwise LLM judge served on 127.0.0.1 that answers every
 request after a fixed 300 ms (its score: how close the title is to 6 words), with at most
 ``--judge-concurrency`` requests in flight (``reward.max_concurrency``, default 2: a
-rate-limited judge). That wait is what the async pipeline hides: the sampler process hands
-each batch to a scorer thread and samples the next one while the judge answers, and both run
-beside the update.
+rate-limited judge). That wait is what the async pipeline hides: the sampler process asks the
+judge for each completion as its row finishes, hands the batch to a scorer thread that collects
+the answers, and samples the next one meanwhile, and all of it runs beside the update. The
+synchronous loop asks the judge once a batch is sampled.
 
 Each mode trains the same config from the same seed for ``--steps`` steps; steps per minute
 come from the loop's own step times (``train/total_step_time``) of steps 2..N (step 1 fills
@@ -189,7 +190,8 @@ def train(args, runs: Path, name: str) -> dict:
             "update": statistics.fmean(row.get("train/step_time", 0.0) for row in rows),  # 0 for a skipped step
             "judge": statistics.fmean(judge), "mean_step": statistics.fmean(times),
             "mean_wait": statistics.fmean(row.get("train/wait_time", math.nan) for row in rows),
-            "generate": statistics.fmean(row.get("train/generate_time", math.nan) for row in rows)}
+            "generate": statistics.fmean(row.get("train/generate_time", math.nan) for row in rows),
+            "latency": statistics.fmean(row.get("reward/judge/latency_s", 0.0) for row in rows)}  # one call's
 
 
 def measure(args, runs: Path, name: str) -> dict:
@@ -221,34 +223,45 @@ def ceiling(sync: dict, one_thread: dict) -> tuple[float, str]:
 
     Costs, all measured: the generation (sampling minus the judge's wait, which takes no CPU
     here) and the update, on one thread (``sync1``) and on every thread (``sync``); the judge's
-    wait J for a step's calls at its concurrency. Three floors for a step of the pipeline:
+    wait J for a step's calls at its concurrency, and L, one call's. The async pipeline asks the
+    judge for each completion as its row finishes, so a batch's judging runs during its
+    generation; what must follow the generation is at least the last row's call, L. Three
+    floors for a step of the pipeline:
 
     - work: sampling and the update each spend at least their one-thread CPU time, however the
-      cores are shared (more threads split the work, they do not shrink it). And while a batch
-      is being judged, only one job can run: the update before it, then the generation of the
+      cores are shared (more threads split the work, they do not shrink it). And while a batch's
+      last call is out, only one job can run: the update before it, then the generation of the
       next batch, which waits for that update's adapter (k = 1). One job on every thread works
       at most ``s`` times as fast as on one, ``s`` being the larger of the two speedups the
-      synchronous loop shows. So ``cores * (T - J) + s * J`` must cover the step's work;
-    - chain: two steps hold one batch's generation, its judging and its update, in turn, each
+      synchronous loop shows. So ``cores * (T - L) + s * L`` must cover the step's work;
+    - chain: two steps hold one batch's generation, its last call and its update, in turn, each
       no faster than on every thread;
     - the judge: a step's calls take J.
 
-    Caches and memory bandwidth shared by the two jobs keep a real step above all three.
+    Caches and memory bandwidth shared by the two jobs keep a real step above all three. The
+    text also gives the floor with the whole of J after the generation (L replaced by J), the
+    ceiling of a pipeline that judges a batch only once it is sampled (this benchmark's before
+    2026-12-07).
     """
     cores = len(os.sched_getaffinity(0))
-    judge = one_thread["judge"]
+    judge, call = one_thread["judge"], one_thread["latency"]
     generate1, update1 = generation(one_thread), one_thread["update"]
     generate, update = generation(sync), sync["update"]
     speedup = min(float(cores), max(generate1 / generate, update1 / update))
-    work = judge + max(0.0, generate1 + update1 - speedup * judge) / cores
-    chain = (generate + judge + update) / 2
-    floor = max(work, chain, judge)
+
+    def floor(after: float) -> tuple[float, float, float]:
+        work = after + max(0.0, generate1 + update1 - speedup * after) / cores
+        chain = (generate + after + update) / 2
+        return max(work, chain, judge), work, chain
+
+    (least, work, chain), (judged_after, _, _) = floor(call), floor(judge)
     sync_step = 60.0 / sync["spm"]
     why = (f"a step's generation takes {generate1:.2f} s on one thread and {generate:.2f} s on {cores}, its update "
-           f"{update1:.2f} s and {update:.2f} s, the judge's wait {judge:.2f} s. While a batch is judged one job runs, "
-           f"at most {speedup:.2f}x its one-thread speed: a k = 1 step takes at least {floor:.2f} s "
-           f"(work {work:.2f} s, chain {chain:.2f} s), against the synchronous loop's {sync_step:.2f} s")
-    return sync_step / floor, why
+           f"{update1:.2f} s and {update:.2f} s, the judge's wait {judge:.2f} s ({call:.2f} s a call). While a batch's "
+           f"last call is out one job runs, at most {speedup:.2f}x its one-thread speed: a k = 1 step takes at least "
+           f"{least:.2f} s (work {work:.2f} s, chain {chain:.2f} s; {judged_after:.2f} s with the judge asked only "
+           f"once a batch is sampled), against the synchronous loop's {sync_step:.2f} s")
+    return sync_step / least, why
 
 
 def where_the_time_goes(asynchronous: dict, sync: dict, one_thread: dict) -> str:

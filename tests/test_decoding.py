@@ -203,3 +203,19 @@ def test_prompts_that_begin_alike_prefill_their_common_beginning_once(monkeypatc
         assert out.token_ids == single.token_ids
         assert max(abs(x - y) for x, y in zip(out.logprobs, single.logprobs)) < 1e-4
         assert out.past.length == len(prompt) + len(out.token_ids) - 1
+
+
+def test_each_row_is_told_as_it_leaves_the_batch_while_the_others_go_on(tiny_policy):
+    rows = [Row([5, 6, 7], temperature=0, max_new_tokens=n) for n in (9, 2, 5)]
+    produced = [0, 0, 0]  # tokens chosen so far, per row
+    told = []  # (row, its output, the tokens every row had then)
+
+    def on_token(row, token, logprob):
+        produced[row] += 1
+
+    outputs = decode(tiny_policy, rows, on_token=on_token, on_finish=lambda row, out: told.append(
+        (row, out, list(produced))))
+    assert [row for row, _, _ in told] == [1, 2, 0]  # in the order they ended, each once
+    assert told[0][2][0] == 2 and told[1][2][0] == 5  # the longest row (9 tokens) was still generating
+    for row, out, _ in told:
+        assert out is outputs[row] and out.text == tiny_policy.decode(out.token_ids)

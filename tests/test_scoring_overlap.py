@@ -99,9 +99,9 @@ def pipeline_over(rollouts, sets, last: int):
     return AsyncPipeline(rollouts, produce, 0, k=1, first=1, last=last), started, sampled
 
 
-def wait_for_calls(judge: Judge) -> None:
+def wait_for_calls(judge: Judge, count: int = 1) -> None:
     deadline = time.monotonic() + 30
-    while not judge.seen and time.monotonic() < deadline:
+    while len(judge.seen) < count and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -127,8 +127,9 @@ def test_the_sampler_process_samples_the_next_batch_while_the_judge_holds_this_o
     try:
         assert sampled[2].wait(120), "batch 2 was not sampled while the judge held batch 1"
         assert judge.answered == 0  # batch 1 was not scored when batch 2's generation ended
-        wait_for_calls(judge)
-        assert judge.seen and set(judge.seen) <= {tasks[0]["id"], tasks[1]["id"]}  # batch 1 is being judged
+        # each completion was asked for as its row finished: batch 2's too, while batch 1's are held
+        wait_for_calls(judge, count=2 * 2 * G)
+        assert sorted(judge.seen) == sorted(t["id"] for t in tasks[:4] for _ in range(G))
         time.sleep(0.3)
         assert not started[3].is_set()  # batch 3 needs version 1: at most k = 1 batch scored beside a generation
         judge.release.set()
@@ -138,6 +139,9 @@ def test_the_sampler_process_samples_the_next_batch_while_the_judge_holds_this_o
         assert judged(one) == pytest.approx([0.7] * 2 * G)
         assert all(math.isfinite(t.reward) for g in one.sampled for t in g)
         assert one.reports[""].calls["judge"] == 2 * G and not one.reports[""].errors
+        # each request once, its call counted in the step that used it
+        assert one.reports[""].counters["judge"]["calls"] == two.reports[""].counters["judge"]["calls"] == 2 * G
+        assert len(judge.seen) == 2 * 2 * G
         # a judge that failed is a recorded failure: NaN (a required component) and counted, never 0
         assert all(math.isnan(v) for v in judged(two)) and all(math.isnan(t.reward) for g in two.sampled for t in g)
         assert two.reports[""].errors["judge"] == 2 * G and "422" in two.reports[""].first_error["judge"]

@@ -25,20 +25,23 @@ import torch.nn.functional as F
 
 from grooves.policy.packing import _foldable_adapter, packed_linears
 from grooves.policy.prefill import _prefill, _row_past
-from grooves.policy.rows import BASE_ADAPTER, Constraint, Past, Row, RowOutput, TokenCallback, _Model
+from grooves.policy.rows import BASE_ADAPTER, Constraint, FinishCallback, Past, Row, RowOutput, TokenCallback, _Model
 
-__all__ = ["BASE_ADAPTER", "Constraint", "Past", "Row", "RowOutput", "TokenCallback", "decode", "pick_tokens",
-           "sample_from", "top_p_filter"]
+__all__ = ["BASE_ADAPTER", "Constraint", "FinishCallback", "Past", "Row", "RowOutput", "TokenCallback", "decode",
+           "pick_tokens", "sample_from", "top_p_filter"]
 
 
 @torch.inference_mode()
-def decode(policy, rows: list[Row], on_token: TokenCallback | None = None) -> list[RowOutput]:
-    """Generate every row to its end in one batch."""
+def decode(policy, rows: list[Row], on_token: TokenCallback | None = None,
+           on_finish: FinishCallback | None = None) -> list[RowOutput]:
+    """Generate every row to its end in one batch; ``on_finish`` hears of each row as it leaves the
+    batch, its output complete, while the other rows go on (a judge can start on it)."""
     with packed_linears(policy, _foldable_adapter(policy, rows)):
-        return _decode(policy, rows, on_token)
+        return _decode(policy, rows, on_token, on_finish)
 
 
-def _decode(policy, rows: list[Row], on_token: TokenCallback | None) -> list[RowOutput]:
+def _decode(policy, rows: list[Row], on_token: TokenCallback | None,
+            on_finish: FinishCallback | None) -> list[RowOutput]:
     model = _Model(policy, rows)
     cache, logits, attention, next_position = _prefill(model, policy.device, rows, max(r.max_new_tokens for r in rows))
     active = list(range(len(rows)))  # original index of each row still in the batch
@@ -65,8 +68,12 @@ def _decode(policy, rows: list[Row], on_token: TokenCallback | None) -> list[Row
                 out.finish_reason = "abort"
             elif len(out.token_ids) < row.max_new_tokens:
                 keep.append(position)
-            if row.keep_past and position not in keep:  # leaving the batch: take its KV with it
-                out.past = _row_past(cache, position, attention[position])
+            if position not in keep:  # leaving the batch
+                if row.keep_past:  # take its KV with it
+                    out.past = _row_past(cache, position, attention[position])
+                out.text = _text(policy, out.token_ids, row.stop)
+                if on_finish is not None:
+                    on_finish(row_index, out)
         if not keep:
             break
         next_tokens = torch.tensor([chosen[p] for p in keep], device=policy.device)
@@ -79,8 +86,6 @@ def _decode(policy, rows: list[Row], on_token: TokenCallback | None) -> list[Row
         logits = model(active, input_ids=next_tokens[:, None], attention_mask=attention,
                        position_ids=next_position[:, None], cache=cache, use_cache=True).logits[:, -1, :]
         next_position = next_position + 1
-    for row, out in zip(rows, outputs):
-        out.text = _text(policy, out.token_ids, row.stop)
     return outputs
 
 

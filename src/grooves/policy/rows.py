@@ -68,6 +68,7 @@ class RowOutput:
 
 
 TokenCallback = Callable[[int, int, float], None]  # (row index, token id, logprob) as each token is chosen
+FinishCallback = Callable[[int, "RowOutput"], None]  # (row index, its output, text included) as a row ends
 
 
 def row_adapters(policy, rows: list[Row]) -> list[str] | None:

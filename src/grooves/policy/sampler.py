@@ -7,6 +7,7 @@ returns ``n`` completions per prompt.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -84,8 +85,11 @@ class Sampler:
         n: int = 1,
         sampling: Sampling = Sampling(),
         generator: torch.Generator | None = None,
+        on_completion: Callable[[int, int, Completion], None] | None = None,
     ) -> list[list[Completion]]:
-        """``n`` completions for each prompt, as one list per prompt."""
+        """``n`` completions for each prompt, as one list per prompt. ``on_completion(prompt index,
+        sample index, completion)`` hears of each completion as soon as its row ends, while the
+        batch's other rows are still generating."""
         if generator is None and sampling.seed is not None:
             generator = torch.Generator(device=self.policy.device).manual_seed(sampling.seed)
         encoded = [self.encode(p) for p in prompts]
@@ -101,10 +105,22 @@ class Sampler:
                 chunk = order[start : start + per_chunk]
                 rows = [Row(encoded[i], sampling.temperature, sampling.top_p, sampling.max_new_tokens,
                             tuple(sampling.stop), generator) for i in chunk for _ in range(n)]
-                outputs = decode(self.policy, rows)
+                outputs = decode(self.policy, rows, on_finish=on_completion and _telling(on_completion, chunk, n,
+                                                                                          encoded))
                 for j, i in enumerate(chunk):
                     results[i] = [Completion(o.text, o.token_ids, o.logprobs, o.finish_reason, list(encoded[i]))
                                   for o in outputs[j * n : (j + 1) * n]]
         finally:
             model.train(was_training)
         return results
+
+
+def _telling(on_completion: Callable[[int, int, Completion], None], chunk: list[int], n: int,
+             encoded: list[list[int]]) -> Callable:
+    """A decode's ``on_finish`` for a chunk of prompts x ``n``: tells ``on_completion`` which prompt
+    and which of its samples a finished row is."""
+    def finished(row: int, out) -> None:
+        i = chunk[row // n]
+        on_completion(i, row % n, Completion(out.text, out.token_ids, out.logprobs, out.finish_reason, list(encoded[i])))
+
+    return finished

@@ -11,6 +11,10 @@ constrained decoding) and returns the reply's JSON object after a caller's check
   wrong ids), gets ``repairs`` more tries: the model sees its reply and what was wrong;
 - a server that rejects ``response_format`` is asked again without it, once per client;
 - successes are cached by (judge, model, prompt, schema); failures never are.
+- a request can be asked ahead (``asking_ahead``; ``Reward.ask_ahead`` while a batch is still
+  being sampled): its answer, or its failure, and its counters wait in the client until the
+  batch's scoring asks the same thing, which takes them over instead of asking again, so the
+  calls count in the step that uses them. Asked ahead twice, a request is sent once.
 - a call that fails for good says why in words a user can act on: "timed out after 60 s
   (3 retries)" when every try timed out, else how many tries failed (and timed out) and the
   last error; that text is the reward's first error, shown in the step's output.
@@ -31,6 +35,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -104,6 +109,13 @@ class JudgeCache:
 
 _COUNTERS = ("calls", "retries", "unparseable", "failures", "cache_hits", "tokens", "latency_s")
 
+asking_ahead: ContextVar[bool] = ContextVar("grooves_judge_asking_ahead", default=False)
+MAX_UNCLAIMED = 1024  # answers asked ahead and never asked for again: the oldest are dropped past this
+
+
+class AskedAlready(JudgeError):
+    """Asked ahead for a request already answered or on its way (nothing is sent)."""
+
 
 class JudgeClient:
     """Calls one endpoint for one judge; see the module docstring for the failure rules."""
@@ -117,6 +129,8 @@ class JudgeClient:
         self.stats = dict.fromkeys(_COUNTERS, 0.0)
         self._structured = endpoint.structured
         self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # requests asked ahead, by cache key: a future of (reply or None, JudgeError or None, counters)
+        self._early: dict[str, asyncio.Future] = {}
 
     def counters(self) -> dict[str, float]:
         return dict(self.stats)
@@ -125,37 +139,95 @@ class JudgeClient:
         """Send ``messages``, parse the reply as one JSON object, return ``check(reply)``.
 
         ``check`` raises ``ReplyError`` for a reply it cannot use (that starts a repair turn).
+        Under ``asking_ahead`` the request's outcome waits for a later ask of the same (module doc).
         """
         key = self.cache_key(messages, schema)
+        ahead = asking_ahead.get()
+        early = self._early.get(key)
+        if early is not None and early.get_loop() is asyncio.get_running_loop():
+            if ahead:
+                raise AskedAlready(f"judge {self.name!r}: asked ahead already")
+            reply = await self._claim(key, early)
+            if reply is not None:
+                return check(reply)
         cached = self.cache.get(key)
         if cached is not None:
+            if ahead:
+                raise AskedAlready(f"judge {self.name!r}: answered already")
             self.stats["cache_hits"] += 1
             return check(cached)
+        if ahead:
+            return check(await self._ask_early(key, messages, schema, check))
+        return check(await self._answer(key, messages, schema, check, self.stats))
+
+    async def _answer(self, key: str, messages: list[dict], schema: dict, check: Callable[[Any], Any],
+                      tally: dict[str, float]) -> Any:
+        """The reply that passes ``check`` (after repair turns), cached; counted in ``tally``."""
         conversation = list(messages)
         problem = ""
         for _ in range(self.repairs + 1):
-            text = await self._complete(conversation, schema)
+            text = await self._complete(conversation, schema, tally)
             try:
                 reply = parse_json_object(text)
-                value = check(reply)
+                check(reply)
             except ReplyError as error:
-                self.stats["unparseable"] += 1
+                tally["unparseable"] += 1
                 problem = str(error)
                 conversation += [{"role": "assistant", "content": text},
                                  {"role": "user", "content": f"That reply cannot be used: {problem}. "
                                   "Answer again with only the JSON object, exactly as asked."}]
                 continue
             self.cache.put(key, reply)
-            return value
-        self.stats["failures"] += 1
+            return reply
+        tally["failures"] += 1
         raise JudgeError(f"judge {self.name!r}: no usable reply after {self.repairs + 1} tries ({problem})")
+
+    async def _ask_early(self, key: str, messages: list[dict], schema: dict, check: Callable[[Any], Any]) -> Any:
+        """Ask now for a later ``ask``: the outcome and its counters wait in ``_early``."""
+        future = asyncio.get_running_loop().create_future()
+        self._early[key] = future
+        self._drop_unclaimed()
+        tally = dict.fromkeys(_COUNTERS, 0.0)
+        try:
+            reply = await self._answer(key, messages, schema, check, tally)
+        except JudgeError as error:
+            future.set_result((None, error, tally))
+            raise
+        except BaseException:  # cancelled, or a bug: the later ask asks for itself
+            future.set_result((None, None, tally))
+            raise
+        future.set_result((reply, None, tally))
+        return reply
+
+    async def _claim(self, key: str, future: asyncio.Future) -> Any | None:
+        """Take over a request asked ahead: its reply (None: ask anew), its failure raised. The
+        first to claim it counts its calls; another ask of the same request counts a cache hit."""
+        reply, error, tally = await asyncio.shield(future)
+        if self._early.get(key) is future:
+            del self._early[key]
+            self._count(tally)
+            if error is not None:
+                raise error
+            return reply
+        if reply is not None:
+            self.stats["cache_hits"] += 1
+        return reply
+
+    def _count(self, tally: dict[str, float]) -> None:
+        for name, value in tally.items():
+            self.stats[name] += value
+
+    def _drop_unclaimed(self) -> None:
+        """Forget the oldest finished answers no ask took over, past ``MAX_UNCLAIMED``; their calls count now."""
+        for key in [k for k, f in self._early.items() if f.done()][: max(0, len(self._early) - MAX_UNCLAIMED)]:
+            self._count(self._early.pop(key).result()[2])
 
     def cache_key(self, messages: list[dict], schema: dict) -> str:
         e = self.endpoint
         payload = json.dumps([self.name, e.base_url, e.model, e.temperature, messages, schema], sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()
 
-    async def _complete(self, messages: list[dict], schema: dict) -> str:
+    async def _complete(self, messages: list[dict], schema: dict, tally: dict[str, float]) -> str:
         import openai
 
         e = self.endpoint
@@ -172,7 +244,7 @@ class JudgeClient:
                 kwargs["response_format"] = {"type": "json_schema",
                                              "json_schema": {"name": "verdict", "schema": schema, "strict": True}}
             start = time.perf_counter()
-            self.stats["calls"] += 1
+            tally["calls"] += 1
             try:
                 response = await self._client().chat.completions.create(**kwargs)
             except openai.BadRequestError as error:
@@ -180,28 +252,28 @@ class JudgeClient:
                     self._structured = False  # this server has no structured output: ask plainly
                     attempt -= 1
                     continue
-                self.stats["failures"] += 1
+                tally["failures"] += 1
                 raise JudgeError(f"judge {self.name!r}: the endpoint refused the request: {error}") from None
             except (openai.APITimeoutError, openai.APIConnectionError, openai.RateLimitError,
                     openai.InternalServerError) as error:
                 last = _describe(error)
                 timeouts += isinstance(error, openai.APITimeoutError)
                 if attempt < e.max_retries:
-                    self.stats["retries"] += 1
+                    tally["retries"] += 1
                     await asyncio.sleep(_delay(error, e.backoff * 2 ** attempt))
                 continue
             except openai.APIStatusError as error:
-                self.stats["failures"] += 1
+                tally["failures"] += 1
                 raise JudgeError(f"judge {self.name!r}: {_describe(error)}") from None
             finally:
-                self.stats["latency_s"] += time.perf_counter() - start
+                tally["latency_s"] += time.perf_counter() - start
             usage = getattr(response, "usage", None)
-            self.stats["tokens"] += float(getattr(usage, "total_tokens", 0) or 0)
+            tally["tokens"] += float(getattr(usage, "total_tokens", 0) or 0)
             if not response.choices:
                 last = "the reply had no choices"
                 continue
             return response.choices[0].message.content or ""
-        self.stats["failures"] += 1
+        tally["failures"] += 1
         raise JudgeError(f"judge {self.name!r}: {e.base_url} {_gave_up(e, timeouts)}; last: {last}")
 
     def _client(self):

@@ -23,8 +23,12 @@ is known whatever else failed.
 
 Components run concurrently on one background event loop, so judges keep their HTTP
 connections across steps; sync functions run in worker threads. ``max_concurrency``
-bounds the calls in flight: judge requests and async verifier calls count one per
-trajectory, other components one per group.
+bounds the calls in flight, across every scoring of the reward at once: judge requests and
+async verifier calls count one per trajectory, other components one per group.
+
+``ask_ahead`` starts the requests of the judges that grade one output alone for a trajectory
+whose batch is still being sampled (the async pipeline calls it as each row finishes); the
+batch's scoring then takes their answers over instead of asking again.
 """
 
 from __future__ import annotations
@@ -36,12 +40,14 @@ import inspect
 import math
 import sys
 import traceback
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grooves.rewards.runner import Escaped, escaping, in_thread, limited, limit_to, run_coroutine
+from grooves.rewards.client import asking_ahead
+from grooves.rewards.runner import Escaped, escaping, in_thread, limited, limit_to, run_coroutine, start_coroutine
 from grooves.scoring import task_arguments
 from grooves.types import Group, Trajectory
 
@@ -79,6 +85,9 @@ class RewardComponent:
     # False: the reward's concurrency limit covers the whole ``score_group`` call. True: the
     # component takes ``limited()`` around each of its own calls (one per trajectory).
     limits_itself: bool = False
+    # True: each output is graded alone, by requests a later scoring of the same output takes
+    # over (a judge's client); ``Reward.ask_ahead`` starts them on a group of one.
+    asks_alone: bool = False
 
     def __init__(self, name: str, weight: float = 1.0, required: bool = True):
         if name == "total" or "/" in name or not name:
@@ -212,14 +221,38 @@ class Reward:
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
         self.max_concurrency = max_concurrency
+        self._limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # an event loop's semaphore
 
     def score(self, groups: list[Group], report: RewardReport | None = None) -> RewardReport:
         """Score every group (blocking); safe to call with or without a running event loop."""
         return run_coroutine(self.ascore(groups, report))
 
+    def ask_ahead(self, task: dict, trajectory: Trajectory) -> None:
+        """Start, and do not wait for, the requests of the components that grade each output alone
+        (``asks_alone``) for one trajectory; a later ``score`` of its group takes their answers over
+        and counts their calls. Nothing else is scored ahead; a reward with no such component does nothing."""
+        alone = [c for c in self.components if c.asks_alone]
+        if alone:
+            start_coroutine(self._ask_ahead(alone, Group(task=task, trajectories=[trajectory])))
+
+    async def _ask_ahead(self, components: list[RewardComponent], group: Group) -> None:
+        limit, ahead = limit_to(self._limit()), asking_ahead.set(True)
+        try:  # the outcomes wait in the judges' clients; what fails here fails again, reported, when scored
+            await asyncio.gather(*(c.score_group(group) for c in components), return_exceptions=True)
+        finally:
+            asking_ahead.reset(ahead)
+            limit.var.reset(limit)
+
+    def _limit(self) -> asyncio.Semaphore:
+        """This reward's ``max_concurrency`` slots in the running event loop, shared by all its scorings."""
+        loop = asyncio.get_running_loop()
+        if loop not in self._limits:
+            self._limits[loop] = asyncio.Semaphore(self.max_concurrency)
+        return self._limits[loop]
+
     async def ascore(self, groups: list[Group], report: RewardReport | None = None) -> RewardReport:
         report = report or RewardReport()
-        token = limit_to(self.max_concurrency)
+        token = limit_to(self._limit())
         before = {c.name: c.counters() for c in self.components}
 
         async def one(component: RewardComponent, group: Group) -> None:

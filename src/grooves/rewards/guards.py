@@ -63,6 +63,7 @@ class JudgeGuard(Guard):
     def __init__(self, name: str, check: YesNoCheck, floor: float = 0.0, required: bool = True):
         super().__init__(name, floor, required)
         self.judge = check
+        self.asks_alone = check.asks_alone
 
     async def score_group(self, group: Group):
         return await self.judge.score_group(group)

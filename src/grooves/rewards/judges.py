@@ -184,6 +184,8 @@ class _Judge(RewardComponent):
 class PointwiseJudge(_Judge):
     """Scores one output at a time against a rubric: reason first, then a number in [low, high]."""
 
+    asks_alone = True
+
     def __init__(self, name: str, rubric: Any, endpoint: Endpoint | JudgeClient, *, low: float = 0,
                  high: float = 10, normalize: bool = True, **options):
         super().__init__(name, endpoint, **options)
@@ -264,6 +266,8 @@ class GroupJudge(_Judge):
 
 class YesNoCheck(_Judge):
     """A yes/no question about each output: 1.0 for ``passes_on`` ("yes" by default), else 0.0."""
+
+    asks_alone = True
 
     def __init__(self, name: str, question: str, endpoint: Endpoint | JudgeClient, *, passes_on: str = "yes",
                  **options):

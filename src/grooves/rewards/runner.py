@@ -10,6 +10,7 @@ would stop the loop itself and leave the caller waiting forever, so it travels a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -59,9 +60,10 @@ async def escaping(awaitable) -> Any:
 
 
 
-def limit_to(max_concurrency: int) -> Token:
-    """Set the limit for what runs in the current context; reset with ``token.var.reset(token)``."""
-    return _limit.set(asyncio.Semaphore(max_concurrency))
+def limit_to(slots: int | asyncio.Semaphore) -> Token:
+    """Set the limit for what runs in the current context (a number of slots, or a semaphore
+    shared with other contexts); reset with ``token.var.reset(token)``."""
+    return _limit.set(slots if isinstance(slots, asyncio.Semaphore) else asyncio.Semaphore(slots))
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -75,6 +77,11 @@ def _background_loop() -> asyncio.AbstractEventLoop:
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="grooves-rewards", daemon=True).start()
         return _loop
+
+
+def start_coroutine(coroutine) -> concurrent.futures.Future:
+    """Start ``coroutine`` on the rewards' background loop; do not wait for it."""
+    return asyncio.run_coroutine_threadsafe(coroutine, _background_loop())
 
 
 def run_coroutine(coroutine) -> Any:

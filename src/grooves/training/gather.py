@@ -13,7 +13,7 @@ import torch
 from grooves.envs.base import Env
 from grooves.envs.rollout import env_groups, sampler_generate
 from grooves.policy.policy import Policy
-from grooves.policy.sampler import Sampling
+from grooves.policy.sampler import Completion, Sampler, Sampling
 from grooves.rewards.compose import Reward, RewardReport
 from grooves.types import Group, Message, Task, Trajectory
 
@@ -21,10 +21,15 @@ from grooves.types import Group, Message, Task, Trajectory
 def rollout_groups(policy: Policy, tasks: list[Task], prompts: list[list[Message]], n: int,
                    sampling: Sampling, generator: torch.Generator | None, policy_step: int,
                    env: Env | None = None, on_round: Callable[[int, int, int], None] | None = None,
-                   wave: int | None = None) -> list[Group]:
+                   wave: int | None = None,
+                   on_trajectory: Callable[[Task, Trajectory], None] | None = None) -> list[Group]:
     """``n`` rollouts of each task; every trajectory records ``policy_step`` as its ``policy_version``
     (the number of updates behind the adapter that sampled it) and in ``metadata["policy_step"]``.
-    An env's rollouts run ``wave`` tasks at a time (``env_groups``; None: all together)."""
+    An env's rollouts run ``wave`` tasks at a time (``env_groups``; None: all together).
+
+    ``on_trajectory(task, trajectory)`` hears of each single-turn trajectory as it is made: as its
+    row finishes, while the others generate, where this process decodes; after the batch with an
+    engine's or a service's sampler. The trajectory handed over is the one the groups hold."""
     if env is not None:
         generate = sampler_generate(policy, sampling.temperature, sampling.top_p, generator)
         groups = env_groups(policy, env, tasks, n, generate, sampling.max_new_tokens, policy_step,
@@ -32,22 +37,34 @@ def rollout_groups(policy: Policy, tasks: list[Task], prompts: list[list[Message
         for trajectory in (t for g in groups for t in g.trajectories):
             trajectory.policy_version = policy_step
         return groups
-    completions = policy.sampler().generate(prompts, n=n, sampling=sampling, generator=generator)
-    groups = []
-    for task, prompt, samples in zip(tasks, prompts, completions):
-        trajectories = [
-            Trajectory(
-                messages=[*prompt, {"role": "assistant", "content": c.text}],
-                prompt_ids=c.prompt_ids, completion_ids=c.token_ids,
-                completion_mask=[1] * len(c.token_ids), logprobs=c.logprobs,
-                finish_reason=c.finish_reason,
-                metadata={"task_id": task["id"], "policy_step": policy_step,
-                          **({"prefix_break": True} if c.prefix_break else {})}, policy_version=policy_step,
-            )
-            for c in samples
-        ]
-        groups.append(Group(task=task, trajectories=trajectories))
-    return groups
+    made: dict[tuple[int, int], Trajectory] = {}
+
+    def finished(i: int, k: int, completion: Completion) -> None:
+        made[i, k] = _trajectory(tasks[i], prompts[i], completion, policy_step)
+        if on_trajectory is not None:
+            on_trajectory(tasks[i], made[i, k])
+
+    sampler = policy.sampler()
+    if on_trajectory is not None and isinstance(sampler, Sampler):
+        completions = sampler.generate(prompts, n=n, sampling=sampling, generator=generator, on_completion=finished)
+    else:
+        completions = sampler.generate(prompts, n=n, sampling=sampling, generator=generator)
+        for i, samples in enumerate(completions):
+            for k, completion in enumerate(samples):
+                finished(i, k, completion)
+    return [Group(task=task, trajectories=[made[i, k] for k in range(len(samples))])
+            for i, (task, samples) in enumerate(zip(tasks, completions))]
+
+
+def _trajectory(task: Task, prompt: list[Message], c: Completion, policy_step: int) -> Trajectory:
+    return Trajectory(
+        messages=[*prompt, {"role": "assistant", "content": c.text}],
+        prompt_ids=c.prompt_ids, completion_ids=c.token_ids,
+        completion_mask=[1] * len(c.token_ids), logprobs=c.logprobs,
+        finish_reason=c.finish_reason,
+        metadata={"task_id": task["id"], "policy_step": policy_step,
+                  **({"prefix_break": True} if c.prefix_break else {})}, policy_version=policy_step,
+    )
 
 
 def reward_metrics(groups: list[Group], reward: Reward, report: RewardReport, prefix: str = "reward") -> dict[str, float]:

@@ -157,8 +157,10 @@ class LocalRollouts:
         return groups
 
     def sample(self, drawn: list[tuple], step: int, round_: int) -> list[Group]:
-        """Groups for ``drawn``, sampled and not scored (``metadata["task_set"]`` says whose reward scores them)."""
-        return [g for task_set, own in self._by_set(drawn) for g in self._sample_set(task_set, own)]
+        """Groups for ``drawn``, sampled and not scored (``metadata["task_set"]`` says whose reward scores
+        them). The judges that grade each output alone are asked as its row finishes (``Reward.ask_ahead``):
+        the later scoring takes their answers over, so the judge's wait overlaps the sampling."""
+        return [g for task_set, own in self._by_set(drawn) for g in self._sample_set(task_set, own, ahead=True)]
 
     def score(self, groups: list[Group], reports: dict[str, RewardReport]) -> None:
         """Score sampled groups in place, each with its task set's reward."""
@@ -171,10 +173,11 @@ class LocalRollouts:
         by_set = [(s, [t for d, t in drawn if d is s]) for s in self.sets]
         return [(s, own) for s, own in by_set if own]
 
-    def _sample_set(self, task_set, own: list[Task]) -> list[Group]:
+    def _sample_set(self, task_set, own: list[Task], ahead: bool = False) -> list[Group]:
         self.on_phase("sampling")
         made = rollout_groups(self.policy, own, [task_set.render(t) for t in own], self.group_size,
-                              self.sampling, self.generator, self.version, task_set.env)
+                              self.sampling, self.generator, self.version, task_set.env,
+                              on_trajectory=task_set.reward.ask_ahead if ahead else None)
         for group in made:
             group.metadata["task_set"] = task_set.name
         return made
