@@ -16,7 +16,9 @@ starts once version b-1-k is published (the adapter after b-1-k updates), so wit
 rollouts of step s+1 run while step s updates; torch releases the GIL in its kernels and a
 judge's HTTP wait releases it too. A backend that can score later (``defer_scoring``) hands
 each batch back sampled but not scored, and a scorer thread scores it while the producer samples
-the next: the generation of step s+1 does not wait for the judge's answers on step s. A batch
+the next: the generation of step s+1 does not wait for the judge's answers on step s. Such a
+batch's judges that grade one output alone are asked as each row finishes (``Reward.ask_ahead``),
+so by the time it is scored most answers are in. A batch
 reaches the loop only once scored, in order. Each batch carries the task-draw position, the
 sampling RNG state and the skipped-prompt count right after it was drawn, so a checkpoint after step s
 records the position after batch s. A resumed async run draws the same tasks for the next

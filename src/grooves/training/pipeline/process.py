@@ -15,7 +15,9 @@ same weights. A child that dies is started again, given the newest weights, and 
 
 In the async pipeline the child samples a batch and scores it apart (``defer_scoring``): the
 scoring requests go over a second pipe to a scorer thread of the child, so the child samples the
-next batch while the judge answers on this one. A child that dies while scoring is asked again:
+next batch while the judge answers on this one; the judges that grade one output alone were
+asked already, each as its row finished (``LocalRollouts.sample``), and the scorer takes their
+answers over. A child that dies while scoring is asked again:
 the groups it was scoring are this process's. Scoring stays beside the sampling when the draw
 reads the rewards (dynamic sampling) or a reward model scores with the sampler's own weights.
 
