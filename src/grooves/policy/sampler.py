@@ -105,22 +105,18 @@ class Sampler:
                 chunk = order[start : start + per_chunk]
                 rows = [Row(encoded[i], sampling.temperature, sampling.top_p, sampling.max_new_tokens,
                             tuple(sampling.stop), generator) for i in chunk for _ in range(n)]
-                outputs = decode(self.policy, rows, on_finish=on_completion and _telling(on_completion, chunk, n,
-                                                                                          encoded))
+                made: dict[int, Completion] = {}  # by row, each as its row finishes
+
+                def finished(row: int, out) -> None:
+                    i = chunk[row // n]
+                    made[row] = Completion(out.text, out.token_ids, out.logprobs, out.finish_reason, list(encoded[i]))
+                    if on_completion is not None:
+                        on_completion(i, row % n, made[row])
+
+                decode(self.policy, rows, on_finish=finished)
                 for j, i in enumerate(chunk):
-                    results[i] = [Completion(o.text, o.token_ids, o.logprobs, o.finish_reason, list(encoded[i]))
-                                  for o in outputs[j * n : (j + 1) * n]]
+                    results[i] = [made[row] for row in range(j * n, (j + 1) * n)]
         finally:
             model.train(was_training)
         return results
 
-
-def _telling(on_completion: Callable[[int, int, Completion], None], chunk: list[int], n: int,
-             encoded: list[list[int]]) -> Callable:
-    """A decode's ``on_finish`` for a chunk of prompts x ``n``: tells ``on_completion`` which prompt
-    and which of its samples a finished row is."""
-    def finished(row: int, out) -> None:
-        i = chunk[row // n]
-        on_completion(i, row % n, Completion(out.text, out.token_ids, out.logprobs, out.finish_reason, list(encoded[i])))
-
-    return finished

@@ -60,10 +60,10 @@ async def escaping(awaitable) -> Any:
 
 
 
-def limit_to(slots: int | asyncio.Semaphore) -> Token:
-    """Set the limit for what runs in the current context (a number of slots, or a semaphore
-    shared with other contexts); reset with ``token.var.reset(token)``."""
-    return _limit.set(slots if isinstance(slots, asyncio.Semaphore) else asyncio.Semaphore(slots))
+def limit_to(slots: asyncio.Semaphore) -> Token:
+    """Set the limit for what runs in the current context (the reward's slots, which its other
+    scorings share); reset with ``token.var.reset(token)``."""
+    return _limit.set(slots)
 
 
 _loop: asyncio.AbstractEventLoop | None = None
