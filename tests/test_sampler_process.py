@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 
 import pytest
 import torch
 
+from grooves.policy.lora_batch import lora_layers
 from grooves.rewards.compose import RewardReport
 from grooves.tasks.sources import TaskSourceError
 from grooves.training import run_config
@@ -175,3 +177,53 @@ def test_a_sampler_process_on_spinning_openmp_threads_is_warned_about(setup, mon
             ProcessRollouts(config, policy, sets, 4, sampling(config), threads=1).close()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_trainers_threads_give_way_while_the_child_generates_and_come_back_after(setup):
+    """While a batch is sampled in the child, this process's forward runs on the threads the child
+    leaves; once the batch is back, on all of them again."""
+    config, policy, sets = setup
+    torch.set_num_threads(2)
+    rollouts = ProcessRollouts(config, policy, sets, 4, sampling(config), threads=1)
+    seen = []
+    hook = policy.model.get_output_embeddings().register_forward_hook(
+        lambda *_: seen.append((rollouts.elastic.neighbour.is_set(), torch.get_num_threads())))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    try:
+        rollouts.apply(1, adapter_state(policy))
+        done = threading.Event()
+        sampler = threading.Thread(target=lambda: (sample(rollouts, sets), done.set()))
+        sampler.start()
+        while not done.is_set():
+            with torch.no_grad():
+                policy.model(input_ids=ids)
+        sampler.join()
+        policy.model(input_ids=ids).logits.sum().backward()
+    finally:
+        hook.remove()
+        rollouts.close()
+    assert {threads for busy, threads in seen if busy} == {1}
+    assert seen[-1] == (False, 2)
+    assert torch.get_num_threads() == 2
+    assert not any(layer._forward_pre_hooks or layer._forward_hooks for _, _, layer in lora_layers(policy.model))
+
+
+def test_elastic_threads_switch_inside_the_backward_pass(setup):
+    """The count follows the neighbour inside a backward too: it runs on the thread that called it."""
+    from grooves.training.pipeline.threads import ElasticThreads
+
+    _, policy, _ = setup
+    torch.set_num_threads(2)
+    elastic = ElasticThreads(policy.model, idle=2, busy=1)
+    first = next(layer for _, _, layer in lora_layers(policy.model))
+    in_backward = []
+    first.lora_A.default.weight.register_hook(lambda grad: in_backward.append(torch.get_num_threads()))
+    try:
+        with elastic.working():
+            loss = policy.model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.sum()
+            assert torch.get_num_threads() == 1
+        loss.backward()  # the neighbour is done: the backward fits the count back
+        assert in_backward == [2]
+    finally:
+        elastic.close()
+    assert elastic.switches == 2 and torch.get_num_threads() == 2

@@ -21,6 +21,10 @@ answers over. A child that dies while scoring is asked again:
 the groups it was scoring are this process's. Scoring stays beside the sampling when the draw
 reads the rewards (dynamic sampling) or a reward model scores with the sampler's own weights.
 
+On a CPU the child decodes on half of torch's threads; this process computes on the other half
+while the child generates and on all of them while it waits for the next adapter
+(``grooves.training.pipeline.threads``).
+
 Because the child is spawned, a script that trains this way through the Python API must keep
 its top-level code under ``if __name__ == "__main__":`` (the ``grooves`` command does).
 """
@@ -34,6 +38,7 @@ import random
 import threading
 import traceback
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -43,6 +48,7 @@ from grooves.rewards.compose import RewardReport
 from grooves.training.build import load_policy, share_backbones, task_sets
 from grooves.training.config import RunConfig
 from grooves.training.pipeline.local import LocalRollouts, adapter_state, fill_in, merge_report, scores_with
+from grooves.training.pipeline.threads import ElasticThreads
 from grooves.types import Group
 
 RESTARTS = 3  # a call whose child dies more often than this gives up
@@ -151,6 +157,10 @@ class ProcessRollouts:
         self._generation = 0
         self._process = None
         self._start()
+        # this process's threads: all of them while the child waits, the rest while it generates
+        total = torch.get_num_threads()
+        self.elastic = (ElasticThreads(policy.model, idle=total, busy=max(1, total - threads))
+                        if policy.device.type == "cpu" and total > 1 else None)
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -232,11 +242,14 @@ class ProcessRollouts:
         index = {id(s): i for i, s in enumerate(self.sets)}
         units = [(index[id(s)], task) for s, task in drawn]
         seed = random.Random(f"{self.seed}:{step}:{round_}").getrandbits(63)
+        with self.elastic.working() if self.elastic else nullcontext():  # the child generates
+            if self._deferring:
+                groups = self._call("sample", (units, seed, step, round_))
+            else:
+                groups, theirs = self._call("rollout", (units, seed, step, round_))
         if self._deferring:
-            groups = self._call("sample", (units, seed, step, round_))
             self._unscored.append(lambda: self._score(groups, reports))
             return groups
-        groups, theirs = self._call("rollout", (units, seed, step, round_))
         for name, report in theirs.items():
             merge_report(reports[name], report)
         return groups
@@ -248,6 +261,9 @@ class ProcessRollouts:
             merge_report(reports[name], report)
 
     def close(self) -> None:
+        if self.elastic is not None:
+            self.elastic.close()
+            self.elastic = None
         if self._process is None:
             return
         for conn in (self._conn, self._scoring):
