@@ -48,9 +48,9 @@ its generation and update times, with the synchronous loop's, give the most asyn
 gain on this machine's cores, printed as the ``ceiling`` line (see ``ceiling``) and, as the
 async run's share of it, ``async_ceiling``.
 
-The sampler process runs half of torch's threads (one on 2 cores). ``--async-threads N`` sets
-the trainer's torch threads (and a sampler thread's) in the async runs; the other modes keep
-torch's default.
+The sampler process runs half of torch's threads (one on 2 cores), and the trainer the rest
+while the child generates, all of them otherwise. ``--async-threads N`` sets the trainer's
+torch threads (and a sampler thread's) in the async runs; the other modes keep torch's default.
 """
 
 from __future__ import annotations
