@@ -44,11 +44,13 @@ def test_the_child_samples_what_this_process_would_from_the_same_weights_and_see
     this process's from the same adapter with the generator the child seeds for that step."""
     config, policy, sets = setup
     rollouts = ProcessRollouts(config, policy, sets, 4, sampling(config))
+    child = rollouts._process
     try:
         rollouts.apply(1, adapter_state(policy))
         theirs, groups, reports = sample(rollouts, sets)
     finally:
         rollouts.close()
+    assert child.exitcode == 0  # stopped, not killed, and not aborted on its way out
     generator = torch.Generator().manual_seed(random.Random(f"{config.seed}:1:0").getrandbits(63))
     local = LocalRollouts(policy, sets, 4, sampling(config), generator)
     local.apply(1, None)

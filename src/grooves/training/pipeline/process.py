@@ -94,8 +94,12 @@ def serve(conn, scoring, config: RunConfig, runs: str | None, group_size: int, s
         rollouts.score(groups, reports)
         return groups, reports
 
-    threading.Thread(target=_answer, args=(scoring, score), name="grooves-scorer", daemon=True).start()
+    scorer = threading.Thread(target=_answer, args=(scoring, score), name="grooves-scorer", daemon=True)
+    scorer.start()
     _answer(conn, sample)
+    # The parent stops both pipes. Let the scorer free its last request first: a daemon thread that
+    # frees a tensor while the interpreter ends is unwound inside torch and aborts the process.
+    scorer.join(10)
 
 
 def _answer(conn, handle) -> None:
