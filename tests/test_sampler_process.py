@@ -185,6 +185,7 @@ def test_the_trainers_threads_give_way_while_the_child_generates_and_come_back_a
     """While a batch is sampled in the child, this process's forward runs on the threads the child
     leaves; once the batch is back, on all of them again."""
     config, policy, sets = setup
+    before = torch.get_num_threads()
     torch.set_num_threads(2)
     rollouts = ProcessRollouts(config, policy, sets, 4, sampling(config), threads=1)
     seen = []
@@ -204,9 +205,11 @@ def test_the_trainers_threads_give_way_while_the_child_generates_and_come_back_a
     finally:
         hook.remove()
         rollouts.close()
+        threads_after = torch.get_num_threads()
+        torch.set_num_threads(before)
     assert {threads for busy, threads in seen if busy} == {1}
     assert seen[-1] == (False, 2)
-    assert torch.get_num_threads() == 2
+    assert threads_after == 2
     assert not any(layer._forward_pre_hooks or layer._forward_hooks for _, _, layer in lora_layers(policy.model))
 
 
@@ -215,6 +218,7 @@ def test_elastic_threads_switch_inside_the_backward_pass(setup):
     from grooves.training.pipeline.threads import ElasticThreads
 
     _, policy, _ = setup
+    before = torch.get_num_threads()
     torch.set_num_threads(2)
     elastic = ElasticThreads(policy.model, idle=2, busy=1)
     first = next(layer for _, _, layer in lora_layers(policy.model))
@@ -228,4 +232,6 @@ def test_elastic_threads_switch_inside_the_backward_pass(setup):
         assert in_backward == [2]
     finally:
         elastic.close()
-    assert elastic.switches == 2 and torch.get_num_threads() == 2
+        threads_after = torch.get_num_threads()
+        torch.set_num_threads(before)
+    assert elastic.switches == 2 and threads_after == 2

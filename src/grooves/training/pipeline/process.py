@@ -249,11 +249,9 @@ class ProcessRollouts:
         with self.elastic.working() if self.elastic else nullcontext():  # the child generates
             if self._deferring:
                 groups = self._call("sample", (units, seed, step, round_))
-            else:
-                groups, theirs = self._call("rollout", (units, seed, step, round_))
-        if self._deferring:
-            self._unscored.append(lambda: self._score(groups, reports))
-            return groups
+                self._unscored.append(lambda: self._score(groups, reports))
+                return groups
+            groups, theirs = self._call("rollout", (units, seed, step, round_))
         for name, report in theirs.items():
             merge_report(reports[name], report)
         return groups
