@@ -23,8 +23,11 @@ difference. The last line is machine-readable:
 
 ``async_ceiling`` is the async run's share of the ceiling (below): ``async_spm`` over the steps
 per minute of a k = 1 step at its floor, the most async k = 1 can reach on this machine's cores
-(goal 0.90 on the recorded setting; nan with ``--no-ceiling``); ``thread_ceiling`` the same for
-the run with a sampler thread (nan with ``--no-thread``).
+with the completions it sampled (goal 0.90 on the recorded setting; nan with ``--no-ceiling``);
+``thread_ceiling`` the same for the run with a sampler thread (nan with ``--no-thread``). The
+floor counts what must follow a batch's generation from the run's own rows: those cut at the
+length limit end together, and their judge calls go at the judge's concurrency (see ``ceiling``;
+the share under the floor of before is printed beside it).
 
     pip install -e '.[ray]'
     python benchmarks/scale.py                # the recorded setting (docs/benchmarks.md)
@@ -191,6 +194,7 @@ def train(args, runs: Path, name: str) -> dict:
             "judge": statistics.fmean(judge), "mean_step": statistics.fmean(times),
             "mean_wait": statistics.fmean(row.get("train/wait_time", math.nan) for row in rows),
             "generate": statistics.fmean(row.get("train/generate_time", math.nan) for row in rows),
+            "tail": judge_tail(rows, args.group * args.tasks, args.judge_concurrency),
             "latency": statistics.fmean(row.get("reward/judge/latency_s", 0.0) for row in rows)}  # one call's
 
 
@@ -218,50 +222,86 @@ def generation(run: dict) -> float:
     return run["sample"] - run["judge"]
 
 
-def ceiling(sync: dict, one_thread: dict) -> tuple[float, str]:
-    """The most async k = 1 can gain over the synchronous loop on this machine's cores, and why.
+def side_by_side(generate1: float, update1: float, after: float, share: float, speedup: float, a: float) -> float:
+    """A step's length when the generation and the update run ``a`` seconds side by side (each at
+    ``share`` times its one-thread speed), then each finishes alone at ``speedup`` times it; the
+    update's part alone lasts at least ``after`` (the batch's judge tail, when only it can run)."""
+    gen_rest, update_rest = max(0.0, generate1 - share * a), max(0.0, update1 - share * a)
+    return a + gen_rest / speedup + max(after, update_rest / speedup)
+
+
+def ceiling(sync: dict, one_thread: dict, tail: float | None = None) -> tuple[float, str, float]:
+    """The most async k = 1 can gain over the synchronous loop on this machine's cores, and why;
+    and the same gain under the floor this benchmark used until 2026-12-07 (09:00 UTC), to compare.
 
     Costs, all measured: the generation (sampling minus the judge's wait, which takes no CPU
     here) and the update, on one thread (``sync1``) and on every thread (``sync``); the judge's
     wait J for a step's calls at its concurrency, and L, one call's. The async pipeline asks the
     judge for each completion as its row finishes, so a batch's judging runs during its
-    generation; what must follow the generation is at least the last row's call, L. Three
-    floors for a step of the pipeline:
+    generation; what must follow the generation is its tail ``A``: the calls of the rows that
+    end on the decode's last step. Rows cut at the length limit all end there together, and
+    their calls wait their turn at the judge's concurrency, so ``A`` is at least
+    ``ceil(n / concurrency) * L`` for the n rows of a batch that the async run's own samples cut,
+    and at least ``L`` (``tail``, from ``train``; one call when not given). Three floors for a
+    step of the pipeline:
 
     - work: sampling and the update each spend at least their one-thread CPU time, however the
-      cores are shared (more threads split the work, they do not shrink it). And while a batch's
-      last call is out, only one job can run: the update before it, then the generation of the
-      next batch, which waits for that update's adapter (k = 1). One job on every thread works
-      at most ``s`` times as fast as on one, ``s`` being the larger of the two speedups the
-      synchronous loop shows. So ``cores * (T - L) + s * L`` must cover the step's work;
-    - chain: two steps hold one batch's generation, its last call and its update, in turn, each
-      no faster than on every thread;
+      cores are shared (more threads split the work, they do not shrink it). While a batch's
+      tail is out, only one job can run: the update before it, then the generation of the next
+      batch, which waits for that update's adapter (k = 1). The same holds whenever one job has
+      done its part of the step: the sampler cannot start the batch after next before the
+      update ends, nor the trainer the next update before its batch is in. One job on every
+      thread works at most ``s`` times as fast as on one, ``s`` being the larger of the two
+      speedups the synchronous loop shows; two side by side each at most at their share of the
+      cores (``p = cores / 2`` times one thread's speed: one thread each on 2 cores). So a step
+      is ``a`` seconds of both jobs side by side, then each job's rest alone at ``s`` (the
+      update's for at least ``A``), with ``a`` chosen to make that shortest;
+    - chain: two steps hold one batch's generation, its tail and its update, in turn, each no
+      faster than on every thread;
     - the judge: a step's calls take J.
 
     Caches and memory bandwidth shared by the two jobs keep a real step above all three. The
-    text also gives the floor with the whole of J after the generation (L replaced by J), the
-    ceiling of a pipeline that judges a batch only once it is sampled (this benchmark's before
-    2026-12-07).
+    floor before counted one call for the tail and let both jobs share the cores to the end
+    (``cores * (T - L) + s * L`` covering the step's work), which no k = 1 schedule reaches when
+    one job is the longer or most rows end together; it is returned third and printed as
+    "before". The text also gives the floor with the whole of J after the generation, the
+    ceiling of a pipeline that judges a batch only once it is sampled.
     """
     cores = len(os.sched_getaffinity(0))
     judge, call = one_thread["judge"], one_thread["latency"]
+    after = max(call, tail if tail is not None else call)
     generate1, update1 = generation(one_thread), one_thread["update"]
     generate, update = generation(sync), sync["update"]
     speedup = min(float(cores), max(generate1 / generate, update1 / update))
+    share = cores / 2
 
     def floor(after: float) -> tuple[float, float, float]:
-        work = after + max(0.0, generate1 + update1 - speedup * after) / cores
+        work = min(side_by_side(generate1, update1, after, share, speedup, a)
+                   for a in (0.0, min(generate1, update1) / share,
+                             max(0.0, min(generate1, update1 - speedup * after)) / share))
         chain = (generate + after + update) / 2
         return max(work, chain, judge), work, chain
 
-    (least, work, chain), (judged_after, _, _) = floor(call), floor(judge)
+    (least, work, chain), (judged_after, *_) = floor(after), floor(judge)
+    before = max(call + max(0.0, generate1 + update1 - speedup * call) / cores, (generate + call + update) / 2, judge)
     sync_step = 60.0 / sync["spm"]
     why = (f"a step's generation takes {generate1:.2f} s on one thread and {generate:.2f} s on {cores}, its update "
-           f"{update1:.2f} s and {update:.2f} s, the judge's wait {judge:.2f} s ({call:.2f} s a call). While a batch's "
-           f"last call is out one job runs, at most {speedup:.2f}x its one-thread speed: a k = 1 step takes at least "
-           f"{least:.2f} s (work {work:.2f} s, chain {chain:.2f} s; {judged_after:.2f} s with the judge asked only "
-           f"once a batch is sampled), against the synchronous loop's {sync_step:.2f} s")
-    return sync_step / least, why
+           f"{update1:.2f} s and {update:.2f} s, the judge's wait {judge:.2f} s ({call:.2f} s a call, {after:.2f} s "
+           f"of them after the generation: the rows ending together on its last step). While they are out one job "
+           f"runs, at most {speedup:.2f}x its one-thread speed, as when the other has done its part: a k = 1 step "
+           f"takes at least {least:.2f} s (work {work:.2f} s, chain {chain:.2f} s; {judged_after:.2f} s with the "
+           f"judge asked only once a batch is sampled; {before:.2f} s by the floor before, one call after the "
+           f"generation and the cores shared to the end), against the synchronous loop's {sync_step:.2f} s")
+    return sync_step / least, why, sync_step / before
+
+
+def judge_tail(rows: list[dict], per_step: int, concurrency: int) -> float:
+    """The least time a batch's judging must go on after its generation (means over ``rows``): its
+    rows cut at the length limit end on the decode's last step together, and their calls go
+    ``concurrency`` at a time, each as long as a call's mean latency; at least one call."""
+    return statistics.fmean(
+        max(1, math.ceil(round(row.get("train/truncated_ratio", 0.0) * per_step) / concurrency))
+        * row.get("reward/judge/latency_s", 0.0) for row in rows)
 
 
 def where_the_time_goes(asynchronous: dict, sync: dict, one_thread: dict) -> str:
@@ -278,7 +318,9 @@ def where_the_time_goes(asynchronous: dict, sync: dict, one_thread: dict) -> str
             f"({update / one_thread['update']:.2f}x its one-thread cost alone, {update / sync['update']:.2f}x "
             f"its cost on every thread), the rest of the loop {step - wait - update:.2f} s; meanwhile the "
             f"sampler generated a batch in {asynchronous['generate']:.2f} s ({asynchronous['generate'] / generate1:.2f}x "
-            f"alone on one thread, {asynchronous['generate'] / generate:.2f}x on every thread)")
+            f"alone on one thread, {asynchronous['generate'] / generate:.2f}x on every thread), and its judging went "
+            f"on {asynchronous['sample'] - asynchronous['generate']:.2f} s after it (at least "
+            f"{asynchronous['tail']:.2f} s: its rows cut at the length limit)")
 
 
 def heldout(args, runs: Path, name: str) -> list[float]:
@@ -334,10 +376,12 @@ def main() -> None:
         sync = measure(args, runs, "sync")
         asynchronous = measure(args, runs, "async")
         async_spm = asynchronous["spm"]
-        thread_spm = math.nan if args.no_thread else measure(args, runs, "thread")["spm"]
+        thread = None if args.no_thread else measure(args, runs, "thread")
+        thread_spm = math.nan if thread is None else thread["spm"]
         ray2_spm = math.nan if args.no_ray else measure(args, runs, "ray2")["spm"]
         one_thread = None if args.no_ceiling else measure(args, runs, "sync1")
-        bound = None if one_thread is None else ceiling(sync, one_thread)
+        bound = None if one_thread is None else ceiling(sync, one_thread, asynchronous["tail"])
+        thread_bound = None if one_thread is None or thread is None else ceiling(sync, one_thread, thread["tail"])
         a, b = heldout(args, runs, "sync"), heldout(args, runs, "async")
     pairs = [(x, y) for x, y in zip(a, b) if x == x and y == y]
     diffs = [y - x for x, y in pairs]
@@ -349,9 +393,11 @@ def main() -> None:
     if bound is not None:
         print(f"ceiling: async k = 1 cannot beat {bound[0]:.2f}x the synchronous loop on this machine now: {bound[1]}")
         async_ceiling = async_spm / (sync["spm"] * bound[0])  # the ceiling's steps/min: 60 s over the floor
-        thread_ceiling = thread_spm / (sync["spm"] * bound[0])
-        print(f"async/ceiling: {async_ceiling:.2f} of the most async k = 1 can reach here (goal >= 0.90); "
-              f"with a sampler thread: {thread_ceiling:.2f}")
+        if thread_bound is not None:  # its own samples, its own judge tail
+            thread_ceiling = thread_spm / (sync["spm"] * thread_bound[0])
+        print(f"async/ceiling: {async_ceiling:.2f} of the most async k = 1 can reach here (goal >= 0.90; "
+              f"{async_spm / (sync['spm'] * bound[2]):.2f} by the floor before); with a sampler thread: "
+              f"{thread_ceiling:.2f}")
         print(f"async step: {where_the_time_goes(asynchronous, sync, one_thread)}")
     print(f"async/sync throughput: {async_spm / sync_spm:.2f}x (goal >= 1.5x); with a sampler thread instead "
           f"of a process: {thread_spm / sync_spm:.2f}x; ray2/sync: "
