@@ -40,11 +40,12 @@ the overlap has more to hide: there the goal is async at least 1.5x the synchron
 The judge runs in a process of its own, as a judge service would: served from a thread of the
 trainer's process, it would share the trainer's interpreter lock with the update.
 
-Each mode trains in a fresh process with the environment ``grooves train`` would give it: the
-sampler-process mode with ``OMP_WAIT_POLICY=PASSIVE`` (unless the variable is set already),
-the others with OpenMP's default. On a CPU the trainer's idle OpenMP threads otherwise spin on
-the cores the sampler process needs, while the synchronous loop is slower with ``PASSIVE``
-(its two threads sleep and wake between every small kernel). See docs/scale.md.
+Each mode trains in a fresh process with this one's environment: OpenMP's default wait policy
+unless ``OMP_WAIT_POLICY`` is set. Until 2026-12-07 the sampler-process mode ran under
+``PASSIVE``, which ``grooves train`` then set so that the trainer's idle threads would not spin
+on the sampler's core; since the trainer gives way while the child generates, ``PASSIVE`` only
+slows the update's two-thread parts (its threads sleep and wake between every small kernel).
+See docs/scale.md.
 
 A last run trains the synchronous loop on one torch thread (``--no-ceiling`` leaves it out):
 its generation and update times, with the synchronous loop's, give the most async k = 1 can
@@ -201,8 +202,6 @@ def train(args, runs: Path, name: str) -> dict:
 def measure(args, runs: Path, name: str) -> dict:
     """Train one mode in a fresh process (its own OpenMP settings); print it, return what ``train`` returned."""
     variables = dict(os.environ)
-    if MODES[name][2] == "process":
-        variables.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as grooves train sets it for this config
     argv = [sys.executable, __file__, "--mode", name, "--judge-url", args.judge_url, "--runs", str(runs),
             "--steps", str(args.steps), "--group", str(args.group), "--tasks", str(args.tasks),
             "--max-new", str(args.max_new), "--lr", str(args.lr), "--judge-concurrency", str(args.judge_concurrency),

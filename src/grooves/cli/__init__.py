@@ -11,7 +11,6 @@ import typer
 
 from grooves.cli import models, train
 from grooves.cli.helptext import TextGroup, plain_help
-from grooves.cli.train import _passive_openmp_for_a_sampler_process  # noqa: F401  (its old address)
 
 app = typer.Typer(
     name="grooves",

@@ -11,22 +11,6 @@ import typer
 from grooves.cli.common import RunsOption, _exit_for, _fail, _resume_command, _user_errors, err, num, out
 
 
-def _passive_openmp_for_a_sampler_process(config: Path) -> None:
-    """A run whose async sampler is a child process (``train.async_sampler = "process"``): let the
-    trainer's idle OpenMP threads sleep instead of spinning on the CPU cores the sampler needs
-    (docs/scale.md). OpenMP reads the setting when torch loads it, so it is taken from the TOML
-    here, before anything imports torch. A value already in the environment wins."""
-    import os
-    import tomllib
-
-    try:
-        table = tomllib.loads(config.read_text()).get("train")
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return  # load_config says what is wrong with the file
-    if isinstance(table, dict) and table.get("async_sampler") == "process" and table.get("max_off_policy_steps"):
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def train(
     config: Annotated[Path, typer.Argument(help="Run configuration (TOML); see docs/config.md.")],
     steps: Annotated[int | None, typer.Option(min=1, help="Override the number of training steps.")] = None,
@@ -57,7 +41,6 @@ def train(
     reward-hacking alert paused or stopped the run (the [alerts] section); 130 Ctrl-C (after saving a
     checkpoint).
     """
-    _passive_openmp_for_a_sampler_process(config)
     from grooves.training.config import ConfigError, load_config
 
     if not config.is_file():

@@ -125,8 +125,7 @@ class TrainConfig(Section):
                                                          "and half the torch threads, so decoding does not wait "
                                                          "for the trainer's interpreter (what it gains on a CPU "
                                                          "depends on how much the synchronous step leaves the "
-                                                         "cores idle; grooves train sets OMP_WAIT_POLICY=PASSIVE "
-                                                         "for it; a Python script using it needs the "
+                                                         "cores idle; a Python script using it needs the "
                                                          "`if __name__ == \"__main__\":` guard). See docs/scale.md.")
     minibatches: int = Field(1, ge=1, description="Optimizer steps per rollout batch: the batch is split "
                              "in order into this many near-equal mini-batches, each its own "

@@ -143,10 +143,10 @@ class ProcessRollouts:
         self.seed = config.seed
         threads = threads or max(1, torch.get_num_threads() // 2)
         if (policy.device.type == "cpu" and torch.get_num_threads() > 1
-                and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"):
+                and os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE"):
             warnings.warn("the sampler process shares the CPU with this trainer, whose idle OpenMP threads "
-                          "spin on the cores it needs: set OMP_WAIT_POLICY=PASSIVE in the environment before "
-                          "torch is imported (grooves train does; docs/scale.md)", stacklevel=2)
+                          "spin without end under OMP_WAIT_POLICY=ACTIVE, on the cores the sampler needs: "
+                          "leave the variable unset (docs/scale.md)", stacklevel=2)
         self._args = (config, None if runs is None else str(runs), group_size, sampling, threads)
         self.version = 0
         self._state: bytes | None = None  # the newest adapter weights, as torch.save wrote them
