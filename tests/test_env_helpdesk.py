@@ -192,6 +192,32 @@ def test_refusing_a_status_question_earns_no_action_credit(policy, env):
     env.close(told)
 
 
+@pytest.mark.parametrize("task_id, script", [
+    ("helpdesk-refuse_refunded-37-111", [call("find_customer", query="raj.silva@example.com"),
+                                         call("list_orders", customer_id=37), call("get_order", order_id=111),
+                                         call("reply", message="I have issued a refund for order #111.")]),
+    ("helpdesk-refund-1-2", SOLVE_REFUND[:3] + [call("reply", message="I've refunded $83.98 for order #2.")]),
+    ("helpdesk-address-16-address", [call("find_customer", query="ana.silva@example.com"), call(
+        "reply", message="I have changed your address to 16 High Street, Fairview.")]),
+])
+def test_a_reply_reporting_a_change_never_made_scores_nothing(policy, env, task_id, script):
+    """What RL learned from a 128-demo warm start (docs/agents.md, issue 28): look everything up,
+    then tell the customer of a refund never issued. The score paid the look-ups (0.4 to 0.6)."""
+    state = play(policy, env, task(env, task_id), script)
+    assert env.changed_rows(state) == {} and state.finish == "answer"
+    assert env.score(state) == {"action": 0.0, "reply": 0.0, "customer": 0.0, "order": 0.0, "format": 0.0}
+    env.close(state)
+
+
+def test_a_refusal_naming_the_earlier_refund_is_not_a_claim(policy, env):
+    script = [call("find_customer", query="raj.silva@example.com"), call("list_orders", customer_id=37),
+              call("get_order", order_id=111),
+              call("reply", message="I cannot refund order #111: it has already been refunded.")]
+    state = play(policy, env, task(env, "helpdesk-refuse_refunded-37-111"), script)
+    assert env.score(state) == {"action": 1.0, "reply": 1.0, "customer": 1.0, "order": 1.0, "format": 1.0}
+    env.close(state)
+
+
 def test_run_states_reports_each_round(policy, env):
     """Validation of 40 agent rollouts takes minutes: each round says how many have finished."""
     refusal = task(env, "helpdesk-refuse_late-4-11")

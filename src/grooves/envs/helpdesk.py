@@ -26,7 +26,9 @@ a reply was given, so doing nothing is not free), ``reply`` (share of the requir
 also says it cannot refund), ``customer`` (find_customer found the asker), ``order``
 (get_order opened the order meant, divided by the distinct orders opened; for address tasks
 equal to ``customer``), ``format`` (share of tool calls that parsed, named a tool and had
-valid arguments; 0 without any, so chatting is not safer than trying a call).
+valid arguments; 0 without any, so chatting is not safer than trying a call). A final reply that
+reports a refund or an address change (``CLAIMS``) the episode did not make scores 0 on every
+component: the look-ups before a lie are not paid.
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ REFUSAL = ["cannot", "can't", "can not", "unable", "not able", "won't", "not eli
 REASONS = {"refuse_late": ["window", "expired", "too late", "days"], "refuse_refunded": ["already"],
            "refuse_other": ["belong", "your account", "another customer", "not yours", "not your order"]}
 REFUSED = ["cannot refund", "can't refund", "unable to refund", "not eligible"]  # contradicts a refund
+# A reply's first-person report of a change, by the ticket kind the change leaves: a reply that reports
+# one the episode never made lies to the customer (RL learned "I have issued a refund of 17.99 for
+# order #60." without the call, docs/agents.md, issue 28).
+CLAIMS = {"refund": re.compile(r"\bi(?: have|'ve)? (?:issued|processed|made|sent)\b[^.!?]*\brefund|\bi(?: have|'ve)? "
+                               r"refunded\b|\byour refund (?:has been|was|is) (?:issued|processed|sent)"),
+          "address": re.compile(r"\bi(?: have|'ve)? (?:changed|updated)\b[^.!?]*\baddress|\baddress "
+                                r"(?:has been|was|is now) (?:changed|updated)")}
 ASKS = {"refund": ["My order of the {product} arrived broken, can I get my money back?",
                    "I want a refund for the {product} I ordered, it does not work."],
         "refuse_other": ["Please refund order #{order}, the {product} stopped working."],
@@ -366,10 +375,14 @@ class Helpdesk(SQLiteApp):
         informed = customer == 1.0 and (expected["order_id"] is None or expected["order_id"] in opened)
         answer = (state.answer or "").lower().replace("\u2019", "'")
         told = any(word in answer for word in expected["facts"][0])
-        action = self.changes(state) == expected["changes"] and (bool(expected["changes"]) or (informed and told))
+        changes = self.changes(state)
+        action = changes == expected["changes"] and (bool(expected["changes"]) or (informed and told))
         said = sum(any(word in answer for word in words) for words in expected["facts"]) / len(expected["facts"])
         calls = state.counters["tool_calls"] + state.counters["tool_errors/malformed"]
         bad = sum(state.counters[key] for key in FORMAT_ERRORS)
+        made = {row["kind"] for row in changes.get("tickets", {}).get("added", [])}
+        if any(claim.search(answer) for kind, claim in CLAIMS.items() if kind not in made):
+            return dict.fromkeys(self.weights, 0.0)  # a reported change never made: no step of it is paid
         return {"action": float(action),
                 "reply": 0.0 if any(word in answer for word in expected["contradicting"]) else said,
                 "customer": customer,
