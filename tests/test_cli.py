@@ -35,6 +35,7 @@ def test_missing_config_file_exits_2_with_its_path(tmp_path):
     (("rank = 4", "rank = 0"), "lora.rank: Input should be greater than or equal to 1"),
     (("steps = 4", "steps = 4\ncolour = 'red'"), "colour: Extra inputs are not permitted"),
     (('name = "tiny-run"', 'name = "../escape"'), "name: Value error, must be a plain folder name"),
+    (('preset = "dapo"', 'preset = "dapo"\nreference = "adapter"'), "algorithm.reference = 'adapter' keeps RL near"),
 ])
 def test_invalid_config_exits_2_with_path_and_allowed(tmp_path, edit, expected):
     path = tiny_config(tmp_path)

@@ -209,6 +209,49 @@ def test_kl_to_the_base_model_is_logged_without_a_penalty(tiny_policy):
     assert "kl" not in quiet.train_step(sampled_groups(tiny_policy, [[1.0, 0.0, 0.5, 0.2]]))
 
 
+def test_kl_to_a_pinned_adapter_holds_rl_near_its_warm_start():
+    """``algorithm.reference = 'adapter'``: the KL term compares with the adapter RL started from
+    (an SFT run's), not with the base model, which a warm start is already far from."""
+    from grooves.policy import LoRA, Policy
+    from grooves.policy.logprobs import build_token_batch, completion_logprobs
+
+    def warm_start():
+        policy = Policy.load("tiny", lora=LoRA(rank=4), seed=0)
+        with torch.no_grad():  # a trained adapter: away from the base model
+            for name, param in policy.model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(7)) * 0.3)
+        return policy
+
+    def mean_kl(policy, batch, ref):
+        with torch.no_grad():
+            logp, _ = completion_logprobs(policy.causal_lm, batch)
+        return (algorithms.k3_kl(logp, ref) * batch.mask).sum().item() / batch.mask.sum().item()
+
+    def run(beta):
+        policy = warm_start()
+        policy.pin_reference()
+        groups = sampled_groups(policy, [[1.0, 0.0, 0.5, 0.2]])
+        batch = build_token_batch(groups[0].trajectories)
+        with torch.no_grad():
+            start, _ = completion_logprobs(policy.causal_lm, batch)
+        trainer = Trainer(policy, algorithms.ppo(beta=beta, num_iterations=4), OptimConfig(learning_rate=5e-2),
+                          max_completion_length=8, kl_every=1)
+        metrics = trainer.train_step(groups)
+        with torch.no_grad(), policy.reference():  # the pinned adapter, and the live one back after
+            pinned, _ = completion_logprobs(policy.causal_lm, batch)
+        assert torch.allclose(pinned, start, atol=1e-6)
+        return metrics, mean_kl(policy, batch, start)
+
+    (free_metrics, free), (_, held) = run(0.0), run(5.0)
+    assert free_metrics["kl"] == pytest.approx(0.0, abs=1e-7)  # logged before the update: at its reference
+    assert 0 < held < free
+    base = warm_start()  # the same adapter unpinned: its reference is the base model, away from it
+    groups = sampled_groups(base, [[1.0, 0.0, 0.5, 0.2]])
+    far = Trainer(base, algorithms.grpo(), OptimConfig(), max_completion_length=8, kl_every=1).train_step(groups)
+    assert far["kl"] > 0.01
+
+
 def test_training_needs_an_adapter():
     from grooves.policy import Policy
 

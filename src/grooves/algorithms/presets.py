@@ -27,7 +27,10 @@ class Algorithm(BaseModel):
     eps_high: float = Field(0.2, ge=0, description="Upper clip: the ratio is clipped at 1 + eps_high.")
     aggregation: Literal["token_mean", "seq_mean_token_mean", "constant", "seq_mean_token_sum"] = Field(
         "seq_mean_token_mean", description="How per-token losses become one number.")
-    beta: float = Field(0.0, ge=0, description="Coefficient of the k3 KL penalty against the base model.")
+    beta: float = Field(0.0, ge=0, description="Coefficient of the k3 KL penalty against the reference.")
+    reference: Literal["base", "adapter"] = Field(
+        "base", description="The KL penalty's (and the logged `kl`'s) reference: 'base' (the adapter off) or "
+        "'adapter' (model.adapter as training found it, frozen: RL from an SFT warm start is held near it).")
     kl_bias_correction: bool = Field(False, description="Multiply the k3 KL by the importance ratio "
                                      "pi/pi_old (with its gradient; the sequence ratio for gspo): the "
                                      "bias-corrected KL of DeepSeek-V3.2, TRL's use_bias_correction_kl.")

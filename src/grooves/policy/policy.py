@@ -34,6 +34,7 @@ class Policy:
         self.base_spec = base_spec
         self.device = torch.device(device)
         self.stop_token_ids = _stop_token_ids(model, tokenizer)
+        self.pinned: dict[str, torch.Tensor] | None = None  # the adapter ``reference()`` restores, if pinned
 
     @classmethod
     def load(
@@ -186,8 +187,38 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def reference(self):
-        """Context in which the model is the base model (adapter disabled)."""
+        """Context in which the model is the reference of a KL term: the adapter as ``pin_reference``
+        found it, when pinned; else the base model (adapter disabled)."""
+        if self.pinned is not None:
+            return self._pinned_adapter()
         return self.model.disable_adapter() if self.has_adapter else contextlib.nullcontext()
+
+    def pin_reference(self) -> None:
+        """Make the adapter's weights as they are now the reference (``algorithm.reference =
+        'adapter'``): RL from an SFT adapter is then kept near that adapter, not near the base."""
+        if not self.has_adapter:
+            raise ValueError("pin_reference: this policy has no adapter")
+        self.pinned = self._adapter_weights()
+
+    def _adapter_weights(self) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        # Embeddings are never adapted; without the flag PEFT looks for the base's config to check.
+        weights = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        return {name: value.detach().clone() for name, value in weights.items()}
+
+    @contextlib.contextmanager
+    def _pinned_adapter(self):
+        from peft import set_peft_model_state_dict
+
+        now = self._adapter_weights()
+        with torch.no_grad():  # copied into the same parameters: the optimizer's state stays theirs
+            set_peft_model_state_dict(self.model, self.pinned)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                set_peft_model_state_dict(self.model, now)
 
     def save_adapter(self, folder: str | Path) -> None:
         """Write the adapter as a plain PEFT folder naming the grooves base spec."""

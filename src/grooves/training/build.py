@@ -62,6 +62,9 @@ def load_policy(config: RunConfig, runs: str | Path | None = None) -> Policy:
                          seed=config.seed, runs=runs)
     if config.model.gradient_checkpointing:
         policy.causal_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    algorithm = getattr(config, "algorithm", None)  # an SFT config has none
+    if algorithm is not None and algorithm.reference == "adapter":  # now, before a resume loads later weights
+        policy.pin_reference()
     return policy
 
 

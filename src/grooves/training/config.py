@@ -20,6 +20,7 @@ from pydantic_core import PydanticUndefined
 from grooves.algorithms.presets import PRESETS, Algorithm
 from grooves.config_base import Section
 from grooves.monitors.config import MonitorsConfig
+from grooves.policy.checkpoints import is_checkpoint_name
 from grooves.policy.lora import LoRA
 from grooves.policy.models import BUNDLED_DEFAULT
 from grooves.rewards.config import COMPONENT_KINDS, EndpointConfig, RewardConfig
@@ -220,6 +221,9 @@ class RunConfig(Section):
         names = [m.name for m in self.mix]
         if len(set(names)) != len(names):
             raise ValueError(f"[[mix]] names must be unique: {names}")
+        if self.algorithm.reference == "adapter" and self.model.adapter is None and not is_checkpoint_name(self.model.spec):
+            raise ValueError("algorithm.reference = 'adapter' keeps RL near the adapter it starts from: "
+                             "set model.adapter (e.g. an SFT run's 'NAME@latest'), or use 'base'")
         if self.sampler is not None:
             self._check_engine()
         if self.backend is not None and self.train.async_sampler == "process":
