@@ -134,11 +134,20 @@ def test_always_refunding_fails_the_refusals(policy, env, task_id, script):
     env.close(state)
 
 
-def test_a_correct_refusal_scores_full_marks_and_changes_nothing(policy, env):
-    script = [call("find_customer", query="Sara Patel"), call("list_orders", customer_id=4),
-              call("get_order", order_id=11),
-              call("reply", message="Sorry, I can\u2019t refund it: its refund window ended on 2024-06-17.")]
-    state = play(policy, env, task(env, "helpdesk-refuse_late-4-11"), script)
+REFUNDED_LOOKUPS = [call("find_customer", query="raj.silva@example.com"), call("list_orders", customer_id=37),
+                    call("get_order", order_id=111)]  # order 111 was refunded before
+
+
+@pytest.mark.parametrize("task_id, script", [
+    ("helpdesk-refuse_late-4-11", [call("find_customer", query="Sara Patel"), call("list_orders", customer_id=4),
+                                   call("get_order", order_id=11), call(
+        "reply", message="Sorry, I can\u2019t refund it: its refund window ended on 2024-06-17.")]),
+    # naming the earlier refund is not a claim of one (CLAIMS)
+    ("helpdesk-refuse_refunded-37-111", REFUNDED_LOOKUPS + [
+        call("reply", message="I cannot refund order #111: it has already been refunded.")]),
+])
+def test_a_correct_refusal_scores_full_marks_and_changes_nothing(policy, env, task_id, script):
+    state = play(policy, env, task(env, task_id), script)
     assert env.score(state) == {"action": 1.0, "reply": 1.0, "customer": 1.0, "order": 1.0, "format": 1.0}
     assert env.changed_rows(state) == {}
     env.close(state)
@@ -193,9 +202,8 @@ def test_refusing_a_status_question_earns_no_action_credit(policy, env):
 
 
 @pytest.mark.parametrize("task_id, script", [
-    ("helpdesk-refuse_refunded-37-111", [call("find_customer", query="raj.silva@example.com"),
-                                         call("list_orders", customer_id=37), call("get_order", order_id=111),
-                                         call("reply", message="I have issued a refund for order #111.")]),
+    ("helpdesk-refuse_refunded-37-111", REFUNDED_LOOKUPS + [
+        call("reply", message="I have issued a refund for order #111.")]),
     ("helpdesk-refund-1-2", SOLVE_REFUND[:3] + [call("reply", message="I've refunded $83.98 for order #2.")]),
     ("helpdesk-address-16-address", [call("find_customer", query="ana.silva@example.com"), call(
         "reply", message="I have changed your address to 16 High Street, Fairview.")]),
@@ -206,15 +214,6 @@ def test_a_reply_reporting_a_change_never_made_scores_nothing(policy, env, task_
     state = play(policy, env, task(env, task_id), script)
     assert env.changed_rows(state) == {} and state.finish == "answer"
     assert env.score(state) == {"action": 0.0, "reply": 0.0, "customer": 0.0, "order": 0.0, "format": 0.0}
-    env.close(state)
-
-
-def test_a_refusal_naming_the_earlier_refund_is_not_a_claim(policy, env):
-    script = [call("find_customer", query="raj.silva@example.com"), call("list_orders", customer_id=37),
-              call("get_order", order_id=111),
-              call("reply", message="I cannot refund order #111: it has already been refunded.")]
-    state = play(policy, env, task(env, "helpdesk-refuse_refunded-37-111"), script)
-    assert env.score(state) == {"action": 1.0, "reply": 1.0, "customer": 1.0, "order": 1.0, "format": 1.0}
     env.close(state)
 
 
