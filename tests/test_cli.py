@@ -36,6 +36,7 @@ def test_missing_config_file_exits_2_with_its_path(tmp_path):
     (("steps = 4", "steps = 4\ncolour = 'red'"), "colour: Extra inputs are not permitted"),
     (('name = "tiny-run"', 'name = "../escape"'), "name: Value error, must be a plain folder name"),
     (('preset = "dapo"', 'preset = "dapo"\nreference = "adapter"'), "algorithm.reference = 'adapter' keeps RL near"),
+    (("group_size = 4", 'group_size = 4\nbalance_by = "kind"'), "train.balance_by: 18 of 18 training tasks have no column 'kind' to balance by"),
 ])
 def test_invalid_config_exits_2_with_path_and_allowed(tmp_path, edit, expected):
     path = tiny_config(tmp_path)

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from grooves.tasks import TaskSourceError, TaskStream, load_tasks, render_prompt, split_tasks
+from grooves.tasks.sources import BalancedStream
 from grooves.tasks import titles
 
 
@@ -64,6 +65,25 @@ def test_task_stream_resumes_in_the_same_order():
     again.restore(state)
     assert [t["id"] for t in again.take(10)] == rest
     assert sorted(first + rest[:2]) == sorted(t["id"] for t in tasks)  # an epoch covers every task once
+
+
+def test_a_balanced_stream_draws_every_kind_in_each_round_however_rare_and_resumes():
+    tasks = [{"id": f"r{i}", "kind": "refund"} for i in range(20)] + [{"id": "a0", "kind": "address"},
+                                                                     {"id": "a1", "kind": "address"},
+                                                                     {"id": "s0", "kind": "status"}]
+    stream = BalancedStream(tasks, "kind", seed=3)
+    drawn = [t for _ in range(5) for t in stream.take(3)]
+    for round_ in range(5):  # one of each kind a round, the rare ones over again
+        assert sorted(t["kind"] for t in drawn[3 * round_: 3 * round_ + 3]) == ["address", "refund", "status"]
+    assert {t["id"] for t in drawn if t["kind"] == "address"} == {"a0", "a1"}
+    assert len({t["id"] for t in drawn if t["kind"] == "refund"}) == 5  # refunds not repeated in their epoch
+    state = stream.state()
+    rest = [t["id"] for t in stream.take(8)]
+    again = BalancedStream(tasks, "kind", seed=3)
+    again.restore(state)
+    assert [t["id"] for t in again.take(8)] == rest
+    with pytest.raises(TaskSourceError, match="no column 'topic' to balance by"):
+        BalancedStream(tasks, "topic")
 
 
 def test_builtin_titles_split():

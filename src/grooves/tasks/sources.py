@@ -146,3 +146,41 @@ class TaskStream:
     def restore(self, state: dict[str, int]) -> None:
         self.epoch, self.index = state["epoch"], state["index"]
         self._order = self._shuffle(self.epoch)
+
+
+class BalancedStream:
+    """Tasks drawn in turns over the values of one column (``kind``, say): each round every value
+    gives one task, in a seeded order of values, and each value's tasks come in their own seeded
+    order, epoch after epoch. A rare kind is drawn as often as a common one, so every batch of at
+    least as many tasks as there are values holds each. Its position is checkpointed."""
+
+    def __init__(self, tasks: list[Task], column: str, seed: int = 0):
+        if not tasks:
+            raise TaskSourceError("no training tasks")
+        if lacking := [t["id"] for t in tasks if column not in t]:
+            raise TaskSourceError(f"{len(lacking)} of {len(tasks)} training tasks have no column {column!r} to "
+                                  f"balance by (e.g. task {lacking[0]!r}, whose columns are "
+                                  f"{sorted(next(t for t in tasks if t['id'] == lacking[0]))})")
+        self.seed = seed
+        self.values = sorted({str(t[column]) for t in tasks})
+        self.streams = {v: TaskStream([t for t in tasks if str(t[column]) == v], seed=f"{seed}:{column}={v}")
+                        for v in self.values}
+        self.draws = 0
+
+    def take(self, count: int) -> list[Task]:
+        out = []
+        for _ in range(count):
+            round_, turn = divmod(self.draws, len(self.values))
+            order = list(self.values)
+            random.Random(f"{self.seed}:round:{round_}").shuffle(order)
+            out.extend(self.streams[order[turn]].take(1))
+            self.draws += 1
+        return out
+
+    def state(self) -> dict:
+        return {"draws": self.draws, "values": {v: s.state() for v, s in self.streams.items()}}
+
+    def restore(self, state: dict) -> None:
+        self.draws = state["draws"]
+        for value, saved in state["values"].items():
+            self.streams[value].restore(saved)

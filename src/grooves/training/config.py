@@ -108,6 +108,10 @@ class OptimConfig(Section):
 class TrainConfig(Section):
     group_size: int = Field(8, ge=2, description="Completions sampled per task (G).")
     tasks_per_step: int = Field(1, ge=1, description="Tasks (groups) per training step.")
+    balance_by: str | None = Field(None, description="A task column (e.g. 'kind') whose values take turns "
+                                   "in the draw: each round one task of every value, so a rare kind is trained as "
+                                   "often as a common one and a batch of at least as many tasks holds each. "
+                                   "None = one seeded order over all tasks.")
     use_sampler_logprobs: bool = Field(False, description="Use the sampler's logprobs as the old policy "
                                        "(for rollouts made elsewhere); otherwise they are recomputed.")
     share_prompt: bool = Field(True, description="Run each group's shared prompt once in the training "

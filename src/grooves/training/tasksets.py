@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from grooves.envs.base import Env
 from grooves.rewards.compose import Reward
-from grooves.tasks.sources import TaskStream, render_prompt
+from grooves.tasks.sources import BalancedStream, TaskStream, render_prompt
 from grooves.types import Message, Task
 
 
@@ -75,12 +75,13 @@ class TaskSet:
 class TaskMix:
     """Tasks from several sets, each set chosen by weight; the position is checkpointed."""
 
-    def __init__(self, sets: list[TaskSet], seed: int = 0):
+    def __init__(self, sets: list[TaskSet], seed: int = 0, balance_by: str | None = None):
         if not sets:
             raise ValueError("a run needs at least one task set")
         self.sets = sets
         self.seed = seed
-        self.streams = [TaskStream(s.train, seed=seed) for s in sets]
+        self.streams = [TaskStream(s.train, seed=seed) if balance_by is None
+                        else BalancedStream(s.train, balance_by, seed=seed) for s in sets]
         self.weights = [s.weight for s in sets]
         self.draws = 0
 
