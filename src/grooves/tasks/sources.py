@@ -116,7 +116,7 @@ def render_prompt(task: Task, template: str | None = None, system: str | None = 
 class TaskStream:
     """Tasks in a seeded random order, epoch after epoch; its position is checkpointed."""
 
-    def __init__(self, tasks: list[Task], seed: int = 0):
+    def __init__(self, tasks: list[Task], seed: int | str = 0):
         if not tasks:
             raise TaskSourceError("no training tasks")
         self.tasks = tasks
