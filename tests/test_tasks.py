@@ -86,6 +86,24 @@ def test_a_balanced_stream_draws_every_kind_in_each_round_however_rare_and_resum
         BalancedStream(tasks, "topic")
 
 
+def test_a_run_resumed_with_another_balance_by_is_told_so():
+    from grooves.training.tasksets import TaskMix, TaskSet
+
+    tasks = [{"id": f"t{i}", "kind": "ab"[i % 2], "size": "sml"[i % 3]} for i in range(12)]
+    sets = [TaskSet(name="", train=tasks, heldout=[], reward=None)]
+    plain, balanced = TaskMix(sets), TaskMix(sets, balance_by="kind")
+    plain.take(), balanced.take()
+    with pytest.raises(TaskSourceError, match="drawn in one order, without balance_by"):
+        TaskMix(sets, balance_by="kind").restore(plain.state())
+    with pytest.raises(TaskSourceError, match=r"drawn in turns over \['a', 'b'\]"):
+        TaskMix(sets).restore(balanced.state())
+    with pytest.raises(TaskSourceError, match="in turns over"):
+        TaskMix(sets, balance_by="size").restore(balanced.state())
+    again = TaskMix(sets, balance_by="kind")
+    again.restore(balanced.state())
+    assert [again.take()[1]["id"] for _ in range(6)] == [balanced.take()[1]["id"] for _ in range(6)]
+
+
 def test_builtin_titles_split():
     train, held = titles.tasks("train"), titles.tasks("heldout")
     assert len(held) >= 50 and len(train) > len(held)

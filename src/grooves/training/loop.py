@@ -342,7 +342,10 @@ class TrainingRun(AlertHandling):
         if latest is not None:
             trainer_state, state = ckpt.load_checkpoint(latest, self.policy, self.generator)
             self.trainer.load_state_dict(trainer_state)
-            self.mix.restore(state["tasks"])
+            try:
+                self.mix.restore(state["tasks"])
+            except TaskSourceError as error:
+                raise ConfigError(f"train.balance_by: {error}") from None
             self.prompts_skipped = state.get("prompts_skipped", 0)
             self.monitors.load_state_dict(state.get("monitors", {}))
             self.acknowledged |= set(state.get("acknowledged", []))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from grooves.envs.base import Env
 from grooves.rewards.compose import Reward
-from grooves.tasks.sources import BalancedStream, TaskStream, render_prompt
+from grooves.tasks.sources import BalancedStream, TaskSourceError, TaskStream, render_prompt
 from grooves.types import Message, Task
 
 
@@ -101,4 +101,10 @@ class TaskMix:
     def restore(self, state: dict) -> None:
         self.draws = state["draws"]
         for stream, saved in zip(self.streams, state["streams"]):
+            balanced = isinstance(stream, BalancedStream)
+            if ("values" in saved) != balanced or (balanced and set(saved["values"]) != set(stream.values)):
+                raise TaskSourceError("the checkpoint's tasks were drawn "
+                                      + (f"in turns over {sorted(saved['values'])}" if "values" in saved
+                                         else "in one order, without balance_by")
+                                      + "; resume with the tasks and train.balance_by the run started with")
             stream.restore(saved)
