@@ -71,12 +71,7 @@ class TrainingRun(AlertHandling):
                                  max_new_tokens=s.max_completion_length, stop=tuple(s.stop))
         self.val_sampling = Sampling(temperature=s.val_temperature, top_p=s.top_p,
                                      max_new_tokens=s.max_completion_length, stop=tuple(s.stop), seed=config.seed)
-        try:
-            self.mix = TaskMix(task_sets, seed=config.seed, balance_by=config.train.balance_by)
-        except TaskSourceError as error:
-            if config.train.balance_by is None:
-                raise
-            raise ConfigError(f"train.balance_by: {error}") from None
+        self.mix = TaskMix(task_sets, seed=config.seed, balance_by=config.train.balance_by)
         self.generator = torch.Generator(device=policy.device).manual_seed(config.seed)
         # An agent's rollout spans turns: its length budget is the env's, not one turn's.
         max_length = max([s.max_completion_length] + [t.env.max_tokens for t in task_sets if t.env is not None])
@@ -342,10 +337,7 @@ class TrainingRun(AlertHandling):
         if latest is not None:
             trainer_state, state = ckpt.load_checkpoint(latest, self.policy, self.generator)
             self.trainer.load_state_dict(trainer_state)
-            try:
-                self.mix.restore(state["tasks"])
-            except TaskSourceError as error:
-                raise ConfigError(f"train.balance_by: {error}") from None
+            self.mix.restore(state["tasks"])
             self.prompts_skipped = state.get("prompts_skipped", 0)
             self.monitors.load_state_dict(state.get("monitors", {}))
             self.acknowledged |= set(state.get("acknowledged", []))

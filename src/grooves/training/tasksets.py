@@ -80,8 +80,13 @@ class TaskMix:
             raise ValueError("a run needs at least one task set")
         self.sets = sets
         self.seed = seed
-        self.streams = [TaskStream(s.train, seed=seed) if balance_by is None
-                        else BalancedStream(s.train, balance_by, seed=seed) for s in sets]
+        if balance_by is None:
+            self.streams = [TaskStream(s.train, seed=seed) for s in sets]
+        else:
+            try:
+                self.streams = [BalancedStream(s.train, balance_by, seed=seed) for s in sets]
+            except TaskSourceError as error:
+                raise _balance_error(str(error)) from None
         self.weights = [s.weight for s in sets]
         self.draws = 0
 
@@ -103,8 +108,14 @@ class TaskMix:
         for stream, saved in zip(self.streams, state["streams"]):
             balanced = isinstance(stream, BalancedStream)
             if ("values" in saved) != balanced or (balanced and set(saved["values"]) != set(stream.values)):
-                raise TaskSourceError("the checkpoint's tasks were drawn "
-                                      + (f"in turns over {sorted(saved['values'])}" if "values" in saved
-                                         else "in one order, without balance_by")
-                                      + "; resume with the tasks and train.balance_by the run started with")
+                raise _balance_error("the checkpoint's tasks were drawn "
+                                     + (f"in turns over {sorted(saved['values'])}" if "values" in saved
+                                        else "in one order, without balance_by")
+                                     + "; resume with the tasks and train.balance_by the run started with")
             stream.restore(saved)
+
+
+def _balance_error(message: str) -> Exception:
+    from grooves.training.config import ConfigError
+
+    return ConfigError(f"train.balance_by: {message}")
