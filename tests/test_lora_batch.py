@@ -112,6 +112,9 @@ def test_stacks_are_kept_and_follow_reloads_and_changed_weights(adapters, monkey
     assert len(kept) == 1
     batched(policy, monkeypatch, rows(names()))
     assert dict(policy._lora_stacks) == kept  # made once
+    backwards = rows([names()[i] for i in (1, 0, 2, 3)])  # the adapters in another order (requests arrive in any)
+    assert_alike(batched(policy, monkeypatch, backwards), peft_alone(policy, monkeypatch, backwards))
+    assert dict(policy._lora_stacks) == kept  # still made once
 
     registry.load_lora("w", adapters / "new", inplace=True)
     reloaded = batched(policy, monkeypatch, rows(names()))
@@ -127,6 +130,20 @@ def test_stacks_are_kept_and_follow_reloads_and_changed_weights(adapters, monkey
     assert_alike(changed, peft_alone(policy, monkeypatch, rows(names())))
     assert changed[1].token_ids != first[1].token_ids
     assert len(policy._lora_stacks) <= lora_batch.STACKS_KEPT
+
+
+def test_an_adapter_on_new_modules_is_batched_after_a_load_outside_the_registry(adapters, monkeypatch):
+    """The list of LoRA layers is kept between batches; an adapter loaded straight through PEFT (as
+    the training service loads its samplers), whose target modules no earlier adapter had, makes
+    it be found again, so its new layers are batched too (PEFT's layers must not run)."""
+    policy = Policy.load("tiny")
+    registry = AdapterRegistry(policy, adapters, lora_roots=[adapters])
+    registry.load_lora("n", adapters / "narrow", inplace=False)  # q, v and down only
+    narrow = registry.acquire(registry.resolve("n"), set())
+    batched(policy, monkeypatch, rows([narrow, BASE_ADAPTER]))
+    policy.model.load_adapter(str(adapters / "wide"), adapter_name="wide_direct")  # every linear layer
+    mixed = rows([narrow, "wide_direct", BASE_ADAPTER, "wide_direct"])
+    assert_alike(batched(policy, monkeypatch, mixed), peft_alone(policy, monkeypatch, mixed))
 
 
 def test_a_server_batches_mixed_adapters_as_each_alone(adapters, monkeypatch):

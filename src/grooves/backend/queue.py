@@ -67,10 +67,12 @@ class Batchable:
 class WorkQueue:
     """Futures, the per-tenant queues and the worker thread."""
 
-    def __init__(self, max_queue: int, check_budget: Callable[[str], None] = lambda tenant: None):
+    def __init__(self, max_queue: int, check_budget: Callable[[str], None] = lambda tenant: None,
+                 on_idle: Callable[[], None] = lambda: None):
         self.futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self.max_queue = max_queue
         self.check_budget = check_budget  # raises UserError(402) when a tenant may not spend more
+        self.on_idle = on_idle  # called on the worker thread when it has nothing to do
         self.current: Future | None = None  # the request the worker runs now (for charging)
         self._ready: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self._waiting = 0  # ordered operations accepted but not yet their turn
@@ -170,6 +172,8 @@ class WorkQueue:
         while True:
             with self._lock:
                 item = self._next()
+                if item is None and not self._stop:
+                    self.on_idle()
                 while item is None and not self._stop:
                     self._lock.wait()
                     item = self._next()

@@ -23,6 +23,7 @@ from grooves.backend.queue import Future, Ordered, UserError, WorkQueue
 from grooves.backend.sampling import SampleJob, SamplerAdapters, extra_stop_ids, prompt_logprobs
 from grooves.backend.storage import ATTN, MLP, UNEMBED, SharedBasePolicy
 from grooves.policy.lora import LoRA
+from grooves.policy.openmp import release_pool
 from grooves.training.datums import AdamParams
 from grooves.training.trainer import Trainer
 
@@ -70,7 +71,10 @@ class Backend(WorkQueue):
         self.budgets = budgets or {}
         self.adapters = SamplerAdapters()
         self.saved: dict[Path, tuple[str, int]] = {}  # checkpoint -> (model_id, version) it was saved at
-        super().__init__(max_queue, self._check_budget)
+        # this thread loaded the model, the worker computes, and an idle worker gives its threads
+        # back: one pool of OpenMP threads at a time (grooves.policy.openmp)
+        release_pool()
+        super().__init__(max_queue, self._check_budget, on_idle=release_pool)
 
     # --- sessions, metering ---------------------------------------------------------
 

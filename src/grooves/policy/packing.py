@@ -85,7 +85,7 @@ def _row_adapters(policy, names: RowAdapters):
     (or the plain one off CPU), and the selection ``_Model`` sets per forward left on the policy.
     Nothing is folded: with batches for the base and for adapters taking turns, every turn would
     pack the layers again. When some layer is not covered, the batch takes PEFT's path."""
-    layers = lora_batch.plan(policy.causal_lm, names)
+    layers = lora_batch.plan(policy, names)
     if layers is None:
         with packed_linears(policy):
             yield

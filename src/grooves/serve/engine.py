@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from grooves.policy.decoding import Constraint, Row, RowOutput, decode
+from grooves.policy.openmp import release_pool
 from grooves.serve.adapters import AdapterRegistry, Resolved
 
 QueueFull = queue.Full
@@ -116,6 +117,7 @@ class Engine:
         self.cancelled_requests = 0
 
     def start(self) -> Engine:
+        release_pool()  # the caller loaded the model; the worker thread decodes (grooves.policy.openmp)
         self._thread.start()
         return self
 
@@ -154,6 +156,8 @@ class Engine:
             except queue.Empty:
                 continue
             self._serve(first)
+            if self.queue.empty():
+                release_pool()  # idle: another thread's computing gets the CPUs' threads (grooves.policy.openmp)
         self._drain()
 
     def _serve(self, first) -> None:

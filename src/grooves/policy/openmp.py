@@ -1,0 +1,59 @@
+"""Handing torch's CPU threads to the thread that will compute: the server's and the service's worker.
+
+Torch's CPU builds for Linux run their parallel work on GNU OpenMP (libgomp). Each thread that
+starts parallel work gets a pool of worker threads of its own, kept for the thread's life. When
+the pools hold more threads than there are CPUs, libgomp stops letting idle workers spin and puts
+them to sleep at once, so every parallel product pays a wake-up. A server loads its model on the
+main thread (which makes the main thread's pool) and decodes on a worker thread (which makes
+another): on this project's 2-core machine a decode step of the bundled model then took 2-3 times
+as long as the same step on the main thread (small products 6 µs → 108 µs; docs/benchmarks.md,
+"Serving latency", 12-08).
+
+``release_pool()`` frees the calling thread's pool (OpenMP 5.0's ``omp_pause_resource_all``), so
+that the worker's pool is the only one. It is called on the thread that loaded the model, just
+before the worker starts. If that thread computes in parallel again, libgomp makes its pool anew:
+only speed depends on this, never a result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+log = logging.getLogger("grooves.policy")
+
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what can be kept
+
+
+@functools.cache
+def _libgomp():
+    """The libgomp torch has loaded into this process (None when torch runs on another runtime)."""
+    import torch  # noqa: F401  (loads torch's libgomp, if it has one)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line and "/" in line}
+    except OSError:  # not Linux
+        return None
+    for path in sorted(paths):
+        try:
+            library = ctypes.CDLL(path)  # already loaded: the same handle
+        except OSError:
+            continue
+        if hasattr(library, "omp_pause_resource_all"):
+            library.omp_pause_resource_all.argtypes = [ctypes.c_int]
+            library.omp_pause_resource_all.restype = ctypes.c_int
+            return library
+    return None
+
+
+def release_pool() -> bool:
+    """Free the calling thread's OpenMP worker threads; True when a libgomp did so."""
+    library = _libgomp()
+    if library is None:
+        return False
+    done = library.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+    if not done:
+        log.debug("libgomp declined to free the calling thread's OpenMP threads")
+    return done

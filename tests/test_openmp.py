@@ -1,0 +1,75 @@
+"""Handing torch's OpenMP threads to a worker thread (grooves.policy.openmp): the pool the loading
+thread made is freed, results do not change, and the server's and the service's workers give
+theirs back when idle. Speed is measured in benchmarks/serve_latency.py, not here."""
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from grooves.backend.queue import WorkQueue
+from grooves.policy import Policy
+from grooves.policy.openmp import release_pool
+from grooves.serve import engine as engine_module
+from grooves.serve.adapters import AdapterRegistry
+from grooves.serve.engine import Engine, Finished, GenerationRequest
+
+needs_libgomp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info()
+    or torch.get_num_threads() < 2, reason="torch on GNU OpenMP with two or more threads")
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@needs_libgomp
+def test_release_pool_frees_the_calling_threads_openmp_workers_and_results_stay():
+    x = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    before = x @ x  # a parallel product: this thread's pool exists now
+    with_pool = os_threads()
+    assert release_pool() is True
+    assert os_threads() == with_pool - (torch.get_num_threads() - 1)  # its workers are gone
+    assert torch.equal(x @ x, before)  # a new pool, the same numbers
+    got = {}
+    worker = threading.Thread(target=lambda: got.setdefault("y", x @ x))
+    worker.start()
+    worker.join()
+    assert torch.equal(got["y"], before)
+
+
+def test_release_pool_is_harmless_without_a_pool():
+    release_pool()
+    assert release_pool() in (True, False)  # twice in a row: nothing to free, no error
+
+
+def test_the_service_worker_gives_its_threads_back_when_idle():
+    idle = threading.Event()
+    work = WorkQueue(8, on_idle=idle.set)
+    try:
+        assert idle.wait(5)  # nothing queued: the worker is idle at once
+    finally:
+        work.close()
+
+
+def test_the_engine_frees_the_loading_threads_pool_and_its_own_after_a_batch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(engine_module, "release_pool", lambda: calls.append(threading.current_thread().name))
+    policy = Policy.load("tiny")
+    engine = Engine(policy, AdapterRegistry(policy, None)).start()
+    try:
+        assert calls == [threading.current_thread().name]  # the caller, which loaded the model
+        done = threading.Event()
+        events = []
+        engine.submit(GenerationRequest("tiny", [5, 6, 7], lambda e: (events.append(e), done.set()), max_tokens=2,
+                                        temperature=0))
+        assert done.wait(30) and isinstance(events[-1], Finished)
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls[1:] == ["grooves-engine"]  # idle after its batch
+    finally:
+        engine.stop()
