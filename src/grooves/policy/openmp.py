@@ -2,11 +2,11 @@
 
 Torch's CPU builds for Linux run their parallel work on GNU OpenMP (libgomp). Each thread that
 starts parallel work gets a pool of worker threads of its own, kept for the thread's life. When
-the pools hold more threads than there are CPUs, libgomp stops letting idle workers spin and puts
-them to sleep at once, so every parallel product pays a wake-up. A server loads its model on the
+libgomp manages more threads than there are CPUs, its idle workers spin only briefly before they
+sleep (``do_spin`` takes ``gomp_throttled_spin_count_var``), so every parallel product pays a wake-up. A server loads its model on the
 main thread (which makes the main thread's pool) and decodes on a worker thread (which makes
-another): on this project's 2-core machine a decode step of the bundled model then took 2-3 times
-as long as the same step on the main thread (small products 6 µs → 108 µs; docs/benchmarks.md,
+another): on this project's 2-core machine a decode of the bundled model then took 1.7-2.5 times as
+long as the same decode on the main thread (a LoRA-sized product 6 µs against 108; docs/benchmarks.md,
 "Serving latency", 12-08).
 
 ``release_pool()`` frees the calling thread's pool (OpenMP 5.0's ``omp_pause_resource_all``), so
