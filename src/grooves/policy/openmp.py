@@ -1,18 +1,19 @@
-"""Handing torch's CPU threads to the thread that will compute: the server's and the service's worker.
+"""Handing torch's CPU threads to the thread that computes: a server's and the training service's worker.
 
 Torch's CPU builds for Linux run their parallel work on GNU OpenMP (libgomp). Each thread that
 starts parallel work gets a pool of worker threads of its own, kept for the thread's life. When
 libgomp manages more threads than there are CPUs, its idle workers spin only briefly before they
-sleep (``do_spin`` takes ``gomp_throttled_spin_count_var``), so every parallel product pays a wake-up. A server loads its model on the
-main thread (which makes the main thread's pool) and decodes on a worker thread (which makes
-another): on this project's 2-core machine a decode of the bundled model then took 1.7-2.5 times as
-long as the same decode on the main thread (a LoRA-sized product 6 µs against 108; docs/benchmarks.md,
-"Serving latency", 12-08).
+sleep (``do_spin`` takes ``gomp_throttled_spin_count_var``), so every parallel product pays a
+wake-up. A server loads its model on the main thread (which makes the main thread's pool) and
+decodes on a worker thread (which makes another): on this project's 2-core machine a decode of the
+bundled model then took 1.7-2.5 times as long as the same decode on the main thread (a LoRA-sized
+product 6 µs against 108; docs/benchmarks.md, "Serving latency", 12-08).
 
-``release_pool()`` frees the calling thread's pool (OpenMP 5.0's ``omp_pause_resource_all``), so
-that the worker's pool is the only one. It is called on the thread that loaded the model, just
-before the worker starts. If that thread computes in parallel again, libgomp makes its pool anew:
-only speed depends on this, never a result.
+``release_pool()`` frees the calling thread's pool (OpenMP 5.0's ``omp_pause_resource_all``). The
+serving engine and the training service call it on the thread that loaded the model, just before
+their worker starts, and on the worker whenever it has nothing queued, so that one pool exists at
+a time even with several servers in one process. A thread that computes in parallel again gets a
+new pool from libgomp: only speed depends on this, never a result.
 """
 
 from __future__ import annotations
