@@ -7,7 +7,7 @@ sleep (``do_spin`` takes ``gomp_throttled_spin_count_var``), so every parallel p
 wake-up. A server loads its model on the main thread (which makes the main thread's pool) and
 decodes on a worker thread (which makes another): on this project's 2-core machine a decode of the
 bundled model then took 1.7-2.5 times as long as the same decode on the main thread (a LoRA-sized
-product 6 µs against 108; docs/benchmarks.md, "Serving latency", 12-08).
+product 4-7 µs against 65-116; docs/benchmarks.md, "Serving latency", 12-08).
 
 ``release_pool()`` frees the calling thread's pool (OpenMP 5.0's ``omp_pause_resource_all``). The
 serving engine and the training service call it on the thread that loaded the model, just before
