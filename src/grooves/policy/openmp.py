@@ -4,10 +4,12 @@ Torch's CPU builds for Linux run their parallel work on GNU OpenMP (libgomp). Ea
 starts parallel work gets a pool of worker threads of its own, kept for the thread's life. When
 libgomp manages more threads than there are CPUs, its idle workers spin only briefly before they
 sleep (``do_spin`` takes ``gomp_throttled_spin_count_var``), so every parallel product pays a
-wake-up. A server loads its model on the main thread (which makes the main thread's pool) and
-decodes on a worker thread (which makes another): on this project's 2-core machine a decode of the
-bundled model then took 1.7-2.5 times as long as the same decode on the main thread (a LoRA-sized
-product 4-7 µs against 65-116; docs/benchmarks.md, "Serving latency", 12-08).
+wake-up. A program that computes with torch on its main thread (which makes the main thread's
+pool) and serves in the same process decodes on a worker thread (which makes another): on this
+project's 2-core machine a decode of the bundled model then took 1.7-2.5 times as long as the same
+decode on the main thread (a LoRA-sized product 4-7 µs against 65-116; docs/benchmarks.md,
+"Serving latency", 12-08). A bare ``grooves serve`` process, whose main thread computes nothing in
+parallel before its engine starts, was not slowed.
 
 ``release_pool()`` frees the calling thread's pool (OpenMP 5.0's ``omp_pause_resource_all``). The
 serving engine and the training service call it on the thread that loaded the model, just before
