@@ -13,6 +13,7 @@ import torch
 from grooves.backend.queue import WorkQueue
 from grooves.policy import Policy
 from grooves.policy.openmp import release_pool
+from grooves.rewards.runner import run_coroutine
 from grooves.serve import engine as engine_module
 from grooves.serve.adapters import AdapterRegistry
 from grooves.serve.engine import Engine, Finished, GenerationRequest
@@ -39,6 +40,20 @@ def test_release_pool_frees_the_calling_threads_openmp_workers_and_results_stay(
     worker.start()
     worker.join()
     assert torch.equal(got["y"], before)
+
+
+@needs_libgomp
+def test_a_caller_waiting_for_its_rewards_gives_back_its_openmp_threads():
+    """A judge served in this process decodes while the trainer waits in ``run_coroutine``."""
+    async def nothing():
+        return 7
+
+    assert run_coroutine(nothing()) == 7  # the rewards' loop thread exists from here on
+    x = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    x @ x  # the trainer's own work: this thread's pool
+    with_pool = os_threads()
+    assert run_coroutine(nothing()) == 7
+    assert os_threads() == with_pool - (torch.get_num_threads() - 1)
 
 
 def test_release_pool_is_harmless_without_a_pool():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -84,8 +85,20 @@ def start_coroutine(coroutine) -> concurrent.futures.Future:
     return asyncio.run_coroutine_threadsafe(coroutine, _background_loop())
 
 
+def _give_back_threads() -> None:
+    if "torch" in sys.modules:  # without torch there is no pool of its to give back
+        from grooves.policy.openmp import release_pool  # here, not above: the policy package loads torch
+
+        release_pool()
+
+
 def run_coroutine(coroutine) -> Any:
-    """Run ``coroutine`` on the rewards' background loop and wait for its result."""
+    """Run ``coroutine`` on the rewards' background loop and wait for its result.
+
+    The caller waits, so it first gives back its OpenMP threads (``grooves.policy.openmp``): a judge
+    served in this process (``base_url = "local"``) decodes on its own thread meanwhile, and after a
+    trainer's sampling or update on this thread it decoded 1.4-1.6x slower (docs/benchmarks.md)."""
+    _give_back_threads()
     future = asyncio.run_coroutine_threadsafe(coroutine, _background_loop())
     try:
         return future.result()
