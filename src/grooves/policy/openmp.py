@@ -14,7 +14,8 @@ parallel before its engine starts, was not slowed.
 ``release_pool()`` frees the calling thread's pool (OpenMP 5.0's ``omp_pause_resource_all``). The
 serving engine and the training service call it on the thread that loaded the model, just before
 their worker starts, and on the worker whenever it has nothing queued, so that one pool exists at
-a time even with several servers in one process. A thread that computes in parallel again gets a
+a time even with several servers in one process; a trainer calls it while it waits for its
+rewards (``grooves.rewards.runner.run_coroutine``), which a judge served in its process computes. A thread that computes in parallel again gets a
 new pool from libgomp: only speed depends on this, never a result.
 """
 
