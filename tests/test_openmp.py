@@ -88,3 +88,41 @@ def test_the_engine_frees_the_loading_threads_pool_and_its_own_after_a_batch(mon
         assert calls[1:] == ["grooves-engine"]  # idle after its batch
     finally:
         engine.stop()
+
+
+class _Rollouts:
+    def snapshot(self):
+        return {}
+
+    def apply(self, version, state):
+        pass
+
+    def close(self):
+        pass
+
+
+@needs_libgomp
+def test_an_async_pipelines_sampler_thread_gives_back_its_threads_while_it_waits():
+    """With ``train.async_sampler = "thread"`` the sampler thread and the trainer compute in one
+    process: the sampler frees its pool whenever it waits for the trainer (and the trainer its own
+    whenever it waits for a batch), so the one computing alone is not throttled."""
+    from grooves.training.pipeline.local import AsyncPipeline, Batch
+
+    x = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    during = {}
+
+    def produce(step):
+        x @ x  # sampling: the sampler thread's pool
+        during[step] = os_threads()
+        return Batch(step, [], [], {}, 1, 0.0)
+
+    pipeline = AsyncPipeline(_Rollouts(), produce, 0, k=1, first=1, last=3)
+    try:
+        pipeline.take(1)
+        pipeline.take(2)  # batch 3 waits for version 1, which is never published here
+        deadline = time.monotonic() + 5
+        while os_threads() > during[2] - (torch.get_num_threads() - 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os_threads() == during[2] - (torch.get_num_threads() - 1)
+    finally:
+        pipeline.close()

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grooves.policy.openmp import release_pool
 from grooves.policy.policy import Policy
 from grooves.policy.sampler import Sampling
 from grooves.rewards.compose import RewardReport
@@ -276,6 +277,8 @@ class AsyncPipeline:
 
     def take(self, step: int) -> Batch:
         with self._cond:
+            if step not in self._batches:
+                release_pool()  # the trainer waits: a sampler thread gets the threads
             self._cond.wait_for(lambda: step in self._batches or self._error is not None)
             if step not in self._batches:
                 raise self._error
@@ -308,6 +311,7 @@ class AsyncPipeline:
                     self._ready(batch)
                 else:
                     self._scoring.put((batch, self.rollouts.unscored(), start))
+                release_pool()  # this thread waits now: the trainer's update gets the threads
         except BaseException as error:  # noqa: BLE001 - handed to the loop, which raises it
             self._fail(error)
         finally:
