@@ -16,8 +16,9 @@ serving engine and the training service call it on the thread that loaded the mo
 their worker starts, and on the worker whenever it has nothing queued, so that one pool exists at
 a time even with several servers in one process; a trainer calls it while it waits for its
 rewards (``grooves.rewards.runner.run_coroutine``), which a judge served in its process computes,
-and an async pipeline's sampler thread and trainer each call it while they wait for the other. A thread that computes in parallel again gets a
-new pool from libgomp: only speed depends on this, never a result.
+and an async pipeline's sampler thread and trainer each call it while they wait for the other. A
+thread that computes in parallel again gets a new pool from libgomp: only speed depends on this,
+never a result.
 """
 
 from __future__ import annotations

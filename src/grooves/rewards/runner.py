@@ -86,7 +86,7 @@ def start_coroutine(coroutine) -> concurrent.futures.Future:
 
 
 def _give_back_threads() -> None:
-    if "torch" in sys.modules:  # without torch there is no pool of its to give back
+    if "torch" in sys.modules:  # without torch, no pool of torch's to give back
         from grooves.policy.openmp import release_pool  # here, not above: the policy package loads torch
 
         release_pool()
