@@ -70,3 +70,21 @@ tensorboard = false
     path = tmp_path / "config.toml"
     path.write_text(body)
     return path
+
+
+class FakeRollouts:
+    """A rollouts backend for an ``AsyncPipeline`` whose ``produce`` makes the batches itself."""
+
+    def __init__(self):
+        self.version = None
+        self.applied = []
+
+    def snapshot(self):
+        return {"marker": 1}
+
+    def apply(self, version, state):
+        self.applied.append(version)
+        self.version = version
+
+    def close(self):
+        pass

@@ -12,7 +12,7 @@ from grooves.training.pipeline.local import AsyncPipeline, Batch, LocalRollouts,
 from grooves.runs.store import RunStore
 from grooves.training.trainer import Trainer
 from grooves.types import Group, Trajectory
-from helpers import tiny_config
+from helpers import FakeRollouts, tiny_config
 
 
 def async_config(tmp_path, steps: int = 4, k: int = 1, **train):
@@ -41,22 +41,6 @@ def versions_in_store(run_dir):
 
 
 # --- the pipeline itself, with a fake backend (no model) ------------------------------------
-
-
-class FakeRollouts:
-    def __init__(self):
-        self.version = None
-        self.applied = []
-
-    def snapshot(self):
-        return {"marker": 1}
-
-    def apply(self, version, state):
-        self.applied.append(version)
-        self.version = version
-
-    def close(self):
-        pass
 
 
 def test_the_producer_waits_for_version_b_minus_1_minus_k():
